@@ -1,0 +1,3 @@
+from distdoctor.cli import main
+
+main()
