@@ -1,0 +1,245 @@
+"""DD101 syncbn-after-ddp: SyncBatchNorm conversion after the DDP wrap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor import flow
+from distdoctor.context import LintContext
+from distdoctor.finding import Fix
+from distdoctor.flow import Step, Trace, Value
+from distdoctor.rule import Example, Report, Rule
+
+CONVERT = "torch.nn.SyncBatchNorm.convert_sync_batchnorm"
+
+
+class SyncBatchNormAfterDDP(Rule):
+    """
+    ## What it does
+    Flags `nn.SyncBatchNorm.convert_sync_batchnorm(...)` applied to a model that is already
+    wrapped in `DistributedDataParallel`, or to the module inside such a wrapper
+    (`ddp_model.module`, or the name that was passed to `DDP(...)`).
+
+    ## Why is this bad?
+    `convert_sync_batchnorm` returns new modules; DDP registered its gradient hooks and broadcast
+    its parameters at construction and assumes the module never changes afterwards. Converting
+    after the wrap leaves DDP driving the old BatchNorm layers (statistics stay per-GPU) or training
+    layers whose gradients are never all-reduced. The PyTorch documentation of
+    `SyncBatchNorm.convert_sync_batchnorm` converts first and wraps second.
+
+    ## Example
+    ```python
+    model = DDP(model, device_ids=[local_rank])
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ```
+
+    ## Use instead
+    ```python
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[local_rank])
+    ```
+
+    ## Fix safety
+    Safe when the conversion and the wrap are plain assignments of the same name in one block and
+    nothing the conversion needs is assigned between them: the conversion line is moved above the
+    wrap. Otherwise no fix is offered.
+    """
+
+    code = "DD101"
+    name = "syncbn-after-ddp"
+    severity = "error"
+    summary = "convert_sync_batchnorm() applied after the model was wrapped in DDP"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = Net().cuda()
+            model = DDP(model, device_ids=[local_rank])
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # expect: DD101
+            """,
+            fixed="""
+            import torch
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = Net().cuda()
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # expect: DD101
+            model = DDP(model, device_ids=[local_rank])
+            """,
+        ),
+        Example(
+            """
+            import torch
+
+            def main():
+                net = build()
+                ddp_net = torch.nn.parallel.DistributedDataParallel(net)
+                ddp_net.module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(ddp_net.module)  # expect: DD101
+            """
+        ),
+        Example(
+            """
+            import torch.nn.parallel as par
+            from torch import nn
+
+            def wrap(m):
+                return par.DistributedDataParallel(m)
+
+            def main():
+                model = wrap(Net())
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # expect: DD101
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, model):
+                    self.model = DistributedDataParallel(model)
+
+                def enable_syncbn(self):
+                    self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)  # expect: DD101
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(Net())
+            model = DDP(model)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def build():
+                return torch.nn.SyncBatchNorm.convert_sync_batchnorm(Net())
+
+            def wrap(m):
+                return DDP(m)
+
+            model = wrap(build())
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            class DDP(torch.nn.Module):  # a local class, not DistributedDataParallel
+                pass
+
+            model = DDP(net)
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            def convert(model):
+                return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace, step, call in ctx.calls(CONVERT):
+            target = call.args[0].value if call.args else None
+            if target is None:
+                continue
+            wrapper = _wrapper_of(trace, step, target)
+            if wrapper is None:
+                continue
+            wrap_line = ctx.position(wrapper.node).start.line
+            yield Report(
+                call,
+                f"convert_sync_batchnorm() runs after the model was wrapped in DistributedDataParallel "
+                f"(line {wrap_line}): DDP keeps driving the old BatchNorm layers. Convert first, then "
+                f"wrap: move this conversion above line {wrap_line}.",
+                fix=_move_above_wrap(ctx, trace, step, call, wrapper),
+            )
+
+
+def _wrapper_of(trace: Trace, step: Step, target: cst.BaseExpression) -> Value | None:
+    """The DDP wrapper that already holds the module being converted, if any."""
+    value = trace.value(target, step)
+    if value is None:
+        return None
+    if value.kind == flow.DDP:
+        return value
+    if isinstance(target, cst.Attribute) and target.attr.value == "module":
+        outer = trace.value(target.value, step)
+        if outer is not None and outer.kind == flow.DDP:
+            return outer
+    # `ddp = DDP(model)` then `model = convert(model)`: model is the module DDP drives.
+    for other in step.env.values():
+        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
+            return other
+    return None
+
+
+def _move_above_wrap(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, wrapper: Value) -> Fix | None:
+    convert_stmt = step.node
+    if not (
+        isinstance(convert_stmt, cst.Assign)
+        and convert_stmt.value is call
+        and isinstance(step.line, cst.SimpleStatementLine)
+        and len(step.line.body) == 1
+        and len(convert_stmt.targets) == 1
+    ):
+        return None
+    wrap_step = next(
+        (
+            s
+            for s in trace.steps
+            if isinstance(s.node, cst.Assign) and s.node.value is wrapper.node and s.frame is step.frame
+        ),
+        None,
+    )
+    if wrap_step is None or wrap_step.block is None or step.block is None:
+        return None
+    if wrap_step.block[0] is not step.block[0] or not isinstance(wrap_step.line, cst.SimpleStatementLine):
+        return None
+    name = convert_stmt.targets[0].target
+    wrap_target = wrap_step.node.targets[0].target if len(wrap_step.node.targets) == 1 else None
+    if not (isinstance(name, cst.Name) and isinstance(wrap_target, cst.Name) and name.value == wrap_target.value):
+        return None
+    if not call.args or not isinstance(call.args[0].value, cst.Name) or call.args[0].value.value != name.value:
+        return None
+    # Names the conversion reads must not be (re)bound between the wrap and the conversion.
+    needed = {node.value for node in _names_in(call) if node.value != name.value}
+    between = trace.steps[wrap_step.index + 1 : step.index]
+    for other in between:
+        if other.frame is step.frame and isinstance(other.node, (cst.Assign, cst.AugAssign, cst.AnnAssign)):
+            bound = {n.value for n in _names_in(other.node.targets[0].target if isinstance(other.node, cst.Assign) else other.node.target)}
+            if bound & needed:
+                return None
+    text = ctx.line_text(step.line)
+    return Fix(
+        message="move the conversion above the DDP wrap",
+        edits=(ctx.insert_before(wrap_step.line, text), ctx.delete_lines(step.line)),
+    )
+
+
+def _names_in(node: cst.CSTNode) -> list[cst.Name]:
+    found: list[cst.Name] = []
+
+    class Collector(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.append(n)
+
+    node.visit(Collector())
+    return found
