@@ -123,6 +123,15 @@ class LintContext:
     def value(self, trace: Trace, step: Step, expr: cst.BaseExpression | None) -> Value | None:
         return trace.value(expr, step)
 
+    def scales_with_world_size(self, trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+        """Whether `expr` involves the number of workers: `hvd.size()`, `dist.get_world_size()`,
+        `WORLD_SIZE`, directly or through a variable or helper computed from them."""
+        for sub in _subexpressions(expr):
+            value = trace.value(sub, step)
+            if value is not None and value.kind in (flow.WORLD_SIZE, flow.LOCAL_SIZE, "scaled"):
+                return True
+        return False
+
     # --- positions and edits -----------------------------------------------------------------
     @cached_property
     def _positions(self):
@@ -184,4 +193,17 @@ def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) ->
             return True
 
     test.visit(Finder())
+    return found
+
+
+def _subexpressions(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+    found: list[cst.BaseExpression] = []
+
+    class Collector(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.BaseExpression):
+                found.append(node)
+            return not isinstance(node, (cst.Lambda,))
+
+    expr.visit(Collector())
     return found
