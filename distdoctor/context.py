@@ -28,6 +28,30 @@ class RankGuard:
     local: bool  # the test is on the local rank (once per node), not the global rank
 
 
+# Calls every rank of the group must make (point-to-point send/recv are not among them): a rank
+# that skips one leaves the others waiting forever.
+TORCH_COLLECTIVES = frozenset(
+    {
+        "barrier", "monitored_barrier", "all_reduce", "reduce", "broadcast", "all_gather",
+        "all_gather_into_tensor", "_all_gather_base", "gather", "scatter", "reduce_scatter",
+        "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
+        "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+        "new_group",
+    }
+)
+HOROVOD_COLLECTIVES = frozenset(
+    {
+        "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+        "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+        "allgather_async", "allgather_object", "grouped_allgather", "broadcast", "broadcast_",
+        "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_parameters",
+        "broadcast_optimizer_state", "alltoall", "alltoall_async", "reducescatter",
+        "reducescatter_async", "grouped_reducescatter", "barrier", "join",
+    }
+)
+NO_GRAD_CONTEXTS = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad"})
+
+
 class LintContext:
     """The parsed file and everything derived from it."""
 
@@ -119,6 +143,105 @@ class LintContext:
 
     def under_rank_zero(self, trace: Trace, step: Step) -> bool:
         return any(g.zero for g in self.rank_guards(trace, step))
+
+    # --- collectives and gradients -----------------------------------------------------------
+    def collective_name(self, call: cst.Call) -> str | None:
+        """`torch.distributed.barrier` / `horovod.torch.allreduce` if `call` is a collective that
+        every rank must join (resolved through imports), else None."""
+        qual = self.qualname(call.func)
+        if qual is None:
+            return None
+        head, _, last = qual.rpartition(".")
+        if head.startswith("torch.distributed") and last in TORCH_COLLECTIVES:
+            return qual
+        if head.startswith("horovod") and last in HOROVOD_COLLECTIVES:
+            return qual
+        return None
+
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        return self._parents.get(id(node))
+
+    @cached_property
+    def _parents(self) -> dict[int, cst.CSTNode]:
+        parents: dict[int, cst.CSTNode] = {}
+
+        class Collector(cst.CSTVisitor):
+            def on_visit(self, node: cst.CSTNode) -> bool:
+                for child in node.children:
+                    parents[id(child)] = node
+                return True
+
+        self.module.visit(Collector())
+        return parents
+
+    def grad_disabled(self, step: Step) -> bool:
+        """Whether `step` runs with autograd off: inside `with torch.no_grad()` /
+        `torch.inference_mode()`, or in a function decorated with them, here or at a call site
+        that led to it."""
+        node: cst.CSTNode | None = step.node
+        frame: flow.Frame | None = step.frame
+        while node is not None:
+            parent = self.parent(node)
+            if isinstance(parent, cst.With) and any(self._is_no_grad(item.item) for item in parent.items):
+                return True
+            if isinstance(parent, cst.FunctionDef):
+                if any(self._is_no_grad(d.decorator) for d in parent.decorators):
+                    return True
+                # Continue at the call site that ran this function, if the trace inlined it.
+                while frame is not None and frame.function is not parent:
+                    frame = frame.parent
+                if frame is None or frame.parent is None or frame.call is None or self.parent(frame.call) is None:
+                    return False
+                node, frame = frame.call, frame.parent
+                continue
+            node = parent
+        return False
+
+    def _is_no_grad(self, expr: cst.BaseExpression) -> bool:
+        target = expr.func if isinstance(expr, cst.Call) else expr
+        qual = self.qualname(target)
+        if qual in NO_GRAD_CONTEXTS:
+            return True
+        if qual == "torch.set_grad_enabled" and isinstance(expr, cst.Call) and expr.args:
+            return isinstance(expr.args[0].value, cst.Name) and expr.args[0].value.value == "False"
+        return False
+
+    def binding(self, trace: Trace, step: Step, expr: cst.BaseExpression) -> tuple[Step, cst.BaseExpression] | None:
+        """Where the name `expr` got its value before `step`: the step of the latest assignment to
+        it and the assigned expression (or, for a parameter of an inlined function, the argument
+        at the call site and the step that made the call). None when unknown."""
+        text = dotted(expr)
+        if text is None:
+            return None
+        key = flow.env_key(expr, step.frame)
+        visible = {id(f) for f in step.frame.chain()}
+        for earlier in reversed(trace.steps[: step.index]):
+            node = earlier.node
+            if isinstance(node, cst.Assign) and len(node.targets) == 1:
+                target = node.targets[0].target
+            elif isinstance(node, cst.AnnAssign) and node.value is not None:
+                target = node.target
+            else:
+                continue
+            if dotted(target) != text:
+                continue
+            other = flow.env_key(target, earlier.frame)
+            if other == key or (other is not None and other[0] == "local" and id(earlier.frame) in visible):
+                return earlier, node.value
+        frame = step.frame
+        if isinstance(expr, cst.Name) and frame.function is not None and frame.call is not None:
+            params = [p.name.value for p in frame.function.params.params]
+            if expr.value in params and frame.parent is not None:
+                if frame.cls is not None and params and params[0] == "self":
+                    params = params[1:]
+                arg = flow.argument(frame.call, params.index(expr.value), expr.value) if expr.value in params else None
+                caller = next(
+                    (s for s in trace.steps[step.index :] if s.frame is frame.parent and any(c is frame.call for c in flow.own_calls(s.node))),
+                    None,
+                )
+                if arg is not None and caller is not None:
+                    return caller, arg
+        return None
 
     def value(self, trace: Trace, step: Step, expr: cst.BaseExpression | None) -> Value | None:
         return trace.value(expr, step)
