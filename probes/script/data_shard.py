@@ -1,0 +1,54 @@
+"""data-shard: ranks are not fed identical batches.
+
+Why it matters: data parallelism only helps when each rank sees its own shard. A loader without a
+DistributedSampler (or with the same seed everywhere) feeds every rank the same batch: N ranks do
+the work of one while the script believes it trains on N times more data.
+Evidence: a hash of the tensors reaching the top-level model's forward, in training mode.
+Planted fault: fixtures/probe/fault_same_batches.py.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from distdoctor.probe_report import CheckResult
+from distdoctor.script_trace import RunTrace, group_ranks
+
+ID = "data-shard"
+
+
+def run(trace: RunTrace) -> CheckResult:
+    """Count, per pair of ranks, the training forwards whose inputs were identical."""
+    if len(trace.ranks) < 2:
+        return CheckResult(ID, "skip", "one rank: nothing to compare")
+    aligned = trace.aligned_steps()
+    per_rank = {}
+    for rank, t in trace.ranks.items():
+        per_rank[rank] = [(s.n, h) for s in t.primary_steps()[:aligned] for h in s.inputs]
+    compared = min(len(v) for v in per_rank.values())
+    if compared == 0:
+        return CheckResult(ID, "skip", "no training forward with tensor inputs was observed on every rank")
+    ranks = trace.rank_ids
+    same = {pair: 0 for pair in combinations(ranks, 2)}
+    first_same: dict[tuple[int, int], int] = {}
+    for i in range(compared):
+        for group in group_ranks({r: per_rank[r][i][1] for r in ranks}):
+            for pair in combinations(group, 2):
+                same[pair] += 1
+                first_same.setdefault(pair, per_rank[pair[0]][i][0])
+    evidence = {str(r): {"forwards": len(per_rank[r])} for r in ranks}
+    duplicated = {pair: n for pair, n in same.items() if n * 2 > compared}
+    if duplicated:
+        pairs = sorted(duplicated)
+        involved = sorted({r for pair in pairs for r in pair})
+        step = min(first_same[p] for p in pairs)
+        worst = max(duplicated.values())
+        summary = (f"rank(s) {','.join(map(str, involved))} were fed identical batches in {worst} of {compared} "
+                   f"training forwards, from step {step}: the data is not sharded across ranks "
+                   "(no DistributedSampler, or the same seed on every rank?)")
+        return CheckResult(ID, "fail", summary, ranks=evidence,
+                           details={"step": step, "ranks": involved, "identical": {f"{a}-{b}": n for (a, b), n in
+                                                                                   duplicated.items()},
+                                    "compared_forwards": compared})
+    return CheckResult(ID, "pass", f"ranks fed different batches in {compared} compared training forwards",
+                       ranks=evidence, details={"compared_forwards": compared})

@@ -1,0 +1,135 @@
+"""desync: every rank makes the same backward passes, optimizer steps and collectives, and none
+stops while the others wait.
+
+Why it matters: collectives are matched by order, not by name. A rank that skips a backward pass
+(a rank-dependent `continue`, an early `break`, an extra `all_reduce` under `if rank == 0`) pairs
+its next all-reduce with another rank's previous one: the job hangs until the collective timeout,
+or worse, carries on with gradients from different steps.
+Planted fault: fixtures/probe/fault_skip_backward.py.
+"""
+
+from __future__ import annotations
+
+from distdoctor.instrument import protocol
+from distdoctor.probe_report import CheckResult
+from distdoctor.script_trace import RankTrace, RunTrace, group_ranks, odd_ranks
+
+ID = "desync"
+# Errors that a rank raises because a peer left or hung, not on its own account.
+_PEER_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "gloo", "nccl",
+                "socket", "peer")
+
+
+def _between(trace: RankTrace, lo: int, hi: int, kind: str) -> list[str]:
+    if kind == "bwd":
+        return [trace.backward_sites.get(n, "?") for n in range(lo + 1, hi + 1)]
+    return [f"{trace.collectives.get(n, ('?', '?'))[0]}@{trace.collectives.get(n, ('?', '?'))[1]}"
+            for n in range(lo + 1, hi + 1)]
+
+
+def _parted_at_step(trace: RunTrace, index: int) -> CheckResult:
+    step = index + 1
+    made: dict[int, tuple[int, int]] = {}
+    sites: dict[int, tuple[list[str], list[str]]] = {}
+    for rank, t in trace.ranks.items():
+        steps = t.primary_steps()
+        prev = steps[index - 1] if index else None
+        b0, c0 = (prev.backward, prev.collectives) if prev else (0, 0)
+        made[rank] = (steps[index].backward - b0, steps[index].collectives - c0)
+        sites[rank] = (_between(t, b0, steps[index].backward, "bwd"), _between(t, c0, steps[index].collectives, "coll"))
+    groups = group_ranks(made, lambda a, b: a == b)
+    odd = odd_ranks(groups)
+
+    def show(rank: int) -> str:
+        backward, colls = made[rank]
+        bsites = sorted({trace.site(s) for s in sites[rank][0]})
+        csites = sorted({c.split("@")[0] + " at " + trace.site(c.split("@", 1)[1]) for c in sites[rank][1]})
+        text = f"{backward} backward pass(es)" + (f" ({', '.join(bsites)})" if bsites else "")
+        if colls or any(made[r][1] for r in made):
+            text += f", {colls} collective(s)" + (f" ({', '.join(csites)})" if csites else "")
+        return text
+
+    parts = "; ".join(f"rank {','.join(map(str, g))} made {show(g[0])}" for g in groups)
+    step_site = trace.site(trace.ranks[groups[0][0]].primary_steps()[index].site)
+    summary = f"ranks parted before optimizer step {step} ({step_site}): {parts}"
+    return CheckResult(ID, "fail", summary, ranks=_evidence(trace),
+                       details={"step": step, "ranks": odd, "groups": groups,
+                                "made": {str(r): {"backward": m[0], "collectives": m[1]} for r, m in made.items()}})
+
+
+def _evidence(trace: RunTrace) -> dict[str, dict]:
+    root = trace.script.rpartition("/")[0] or None
+    out = {}
+    for rank, t in trace.ranks.items():
+        steps, backward, colls = t.progress
+        entry = {"steps": steps, "backward": backward, "collectives": colls, "last": t.where(root)}
+        if trace.stall and rank in trace.stall.waiting:
+            entry["waiting"] = trace.stall.waiting[rank]
+            entry["stack"] = trace.stall.stacks.get(rank, [])[:12]
+        if t.end and t.end.get("e") == protocol.ERROR:
+            entry["error"] = t.end.get("traceback", "")[-3000:]
+        elif rank in trace.rank_errors:
+            entry["error"] = trace.rank_errors[rank][-3000:]
+        out[str(rank)] = entry
+    return out
+
+
+def _is_peer_error(t: RankTrace) -> bool:
+    text = f"{t.end.get('type', '')} {t.end.get('message', '')}".lower() if t.end else ""
+    return any(word in text for word in _PEER_ERRORS)
+
+
+def run(trace: RunTrace) -> CheckResult:
+    """Compare what each rank did between optimizer steps, and how each rank ended."""
+    if not trace.ranks:
+        return CheckResult(ID, "error", "no rank started the script" +
+                           (f": {trace.launch_failure}" if trace.launch_failure else ""))
+    missing = [r for r in range(trace.world_size) if r not in trace.ranks]
+    common = min(len(t.primary_steps()) for t in trace.ranks.values())
+    aligned = trace.aligned_steps()
+    if aligned < common:
+        return _parted_at_step(trace, aligned)
+    root = trace.script.rpartition("/")[0] or None
+    progress = {r: t.progress for r, t in trace.ranks.items()}
+    ended = {r: (t.end or {}).get("e") for r, t in trace.ranks.items()}
+    errors = {r: t for r, t in trace.ranks.items() if ended[r] == protocol.ERROR}
+    if trace.stall is not None:
+        groups = group_ranks(progress, lambda a, b: a == b)
+        finished = sorted(r for r, e in ended.items() if e in (protocol.STOP, protocol.EXIT, protocol.ERROR))
+        blocked = sorted(r for r in trace.ranks if r not in finished)
+        odd = finished if finished and blocked else odd_ranks(groups) or blocked
+        where = "; ".join(f"rank {r}: {trace.stall.waiting.get(r) or trace.ranks[r].where(root)}"
+                          f" [{progress[r][0]} steps, {progress[r][1]} backward]" for r in trace.rank_ids)
+        summary = (f"the job stalled after step {min(p[0] for p in progress.values())} ({trace.stall.reason}, "
+                   f"quiet for {trace.stall.after_s:g} s): {where}")
+        return CheckResult(ID, "fail", summary, ranks=_evidence(trace),
+                           details={"step": min(p[0] for p in progress.values()) + 1, "ranks": odd,
+                                    "stalled": True, "reason": trace.stall.reason})
+    if missing:
+        return CheckResult(ID, "error", f"rank(s) {','.join(map(str, missing))} never started the script"
+                           + (f": {trace.launch_failure}" if trace.launch_failure else ""), ranks=_evidence(trace))
+    if errors:
+        own = {r: t for r, t in errors.items() if not _is_peer_error(t)} or errors
+        first = min(own)
+        t = own[first]
+        where = f"raised {t.end.get('type')}: {str(t.end.get('message', '')).splitlines()[0][:200] if t.end.get('message') else ''} at {trace.site(t.end.get('site', '?'))} after step {progress[first][0]}"
+        if len(own) == len(trace.ranks) and len({progress[r] for r in own}) == 1:
+            return CheckResult(ID, "error", f"the script failed on every rank: {where}", ranks=_evidence(trace),
+                               details={"step": progress[first][0] + 1, "ranks": sorted(own)})
+        others = "; ".join(f"rank {r}: {trace.ranks[r].where(root)}" for r in trace.rank_ids if r not in own)
+        return CheckResult(ID, "fail", f"rank(s) {','.join(map(str, sorted(own)))} {where}; {others}",
+                           ranks=_evidence(trace), details={"step": progress[first][0] + 1, "ranks": sorted(own)})
+    if len(set(progress.values())) > 1:
+        groups = group_ranks(progress, lambda a, b: a == b)
+        odd = odd_ranks(groups)
+        parts = "; ".join(f"rank {r}: {trace.ranks[r].where(root)} [{progress[r][0]} steps, {progress[r][1]} "
+                          f"backward, {progress[r][2]} collectives]" for r in trace.rank_ids)
+        return CheckResult(ID, "fail", f"ranks ended at different points: {parts}", ranks=_evidence(trace),
+                           details={"step": min(p[0] for p in progress.values()) + 1, "ranks": odd})
+    if trace.timed_out:
+        return CheckResult(ID, "fail", "the job ran past --timeout", ranks=_evidence(trace))
+    steps, backward, colls = next(iter(progress.values()))
+    if steps == 0:
+        return CheckResult(ID, "skip", "the script made no optimizer step", ranks=_evidence(trace))
+    return CheckResult(ID, "pass", f"{len(trace.ranks)} ranks made the same {steps} steps, {backward} backward passes "
+                       f"and {colls} collectives", ranks=_evidence(trace))

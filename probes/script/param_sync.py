@@ -1,0 +1,52 @@
+"""param-sync: the parameters each optimizer updates are equal on every rank, at the first step
+(before any update) and after every step.
+
+Why it matters: DDP keeps replicas equal only by broadcasting rank 0's parameters once, when it wraps
+the model, and then averaging gradients. Parameters created or changed on each rank after the wrap
+(a layer attached later, a per-rank re-initialisation, `init_sync=False`) are never made equal
+again, and every rank trains a different model while the loss looks fine.
+Planted fault: fixtures/probe/fault_init_after_wrap.py, fixtures/probe/fault_layer_after_wrap.py.
+"""
+
+from __future__ import annotations
+
+from distdoctor.probe_report import CheckResult
+from distdoctor.script_trace import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
+
+ID = "param-sync"
+
+
+def run(trace: RunTrace) -> CheckResult:
+    """Compare parameter checksums across ranks, step by step, and name the first divergence."""
+    if len(trace.ranks) < 2:
+        return CheckResult(ID, "skip", "one rank: nothing to compare")
+    divergence, compared = first_divergence(trace, ("param0", "param"))
+    if divergence is None:
+        if compared == 0:
+            return CheckResult(ID, "skip", "no optimizer step was observed on every rank")
+        count = len(trace.param_names(0))
+        return CheckResult(ID, "pass", f"{count} parameters equal on {len(trace.ranks)} ranks at the first step "
+                           f"and after each of {compared} steps", details={"compared_steps": compared})
+    odd = odd_ranks(divergence.groups)
+    name = divergence.params[0]
+    cause = ""
+    outside = [p for p, flag in divergence.in_ddp.items() if flag is False]
+    if outside:
+        ddp_site = next((trace.site(d["site"]) for t in trace.ranks.values() for d in t.ddp), "?")
+        cause = f"; {list_names(outside)} not in the model DDP wrapped at {ddp_site} (attached after the wrap?)"
+    elif divergence.key == "param0":
+        no_sync = [d for t in trace.ranks.values() for d in t.ddp if d.get("init_sync") is False]
+        cause = ("; DDP was built with init_sync=False" if no_sync
+                 else "; initialised per rank and never broadcast (or changed on a rank after the DDP wrap)")
+    summary = (f"{name} differs across ranks {divergence.when}: rank(s) {','.join(map(str, odd))} differ from "
+               f"rank {divergence.groups[0][0]}" + (f" ({len(divergence.params)} parameters differ)"
+                                                    if len(divergence.params) > 1 else "") + cause)
+    return CheckResult(
+        ID, "fail", summary,
+        ranks={str(r): {"checksum": divergence.values[r]} for r in trace.rank_ids},
+        details={"step": 0 if divergence.key == "param0" else divergence.step, "when": divergence.when,
+                 "optimizer": divergence.opt, "parameter": name, "parameters": list(divergence.params),
+                 "ranks": odd, "groups": divergence.groups,
+                 "values": describe_groups(divergence.groups, lambda r: fmt_checksum(divergence.values[r])),
+                 "compared_steps": compared},
+    )
