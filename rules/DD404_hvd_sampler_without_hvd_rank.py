@@ -1,0 +1,162 @@
+"""DD404 hvd-sampler-without-hvd-rank: a DistributedSampler in a Horovod script that asks
+torch.distributed (never initialised) for the rank and world size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from distdoctor import flow
+from distdoctor.context import LintContext
+from distdoctor.rule import Example, Report, Rule
+
+SAMPLER = "torch.utils.data.DistributedSampler"
+
+
+class HorovodSamplerWithoutHorovodRank(Rule):
+    """
+    ## What it does
+    Flags `DistributedSampler(dataset)` in a Horovod script, when `num_replicas` or `rank` is not
+    passed and the script never initialises a `torch.distributed` process group.
+
+    ## Why is this bad?
+    Without `num_replicas` and `rank`, `DistributedSampler` asks `torch.distributed` for them, and
+    raises `RuntimeError: Default process group has not been initialized` when, as under Horovod,
+    no process group exists. Horovod's examples pass both:
+    `DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank())`.
+
+    A script that also calls `init_process_group` (or a helper named like `init_distributed_mode`)
+    is not reported: there the sampler can read the process group.
+
+    ## Example
+    ```python
+    hvd.init()
+    sampler = DistributedSampler(train_set)
+    ```
+
+    ## Use instead
+    ```python
+    hvd.init()
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
+    ```
+
+    ## Fix safety
+    No fix: the Horovod module's local name, and whether the sampler should use a process set's
+    size and rank, are for the author to decide.
+    """
+
+    code = "DD404"
+    name = "hvd-sampler-without-hvd-rank"
+    severity = "error"
+    summary = "DistributedSampler without num_replicas=hvd.size(), rank=hvd.rank() under Horovod"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            sampler = DistributedSampler(train_set)  # expect: DD404
+            loader = DataLoader(train_set, batch_size=32, sampler=sampler)
+            """
+        ),
+        Example(
+            """
+            import torch.utils.data
+            from horovod import torch as hv
+
+            def loaders(args, dataset):
+                sampler = torch.utils.data.distributed.DistributedSampler(  # expect: DD404
+                    dataset, rank=hv.rank(), shuffle=True
+                )
+                return torch.utils.data.DataLoader(dataset, sampler=sampler)
+            """
+        ),
+        Example(
+            """
+            import horovod.torch
+            import torch.utils.data as tud
+
+            class Data:
+                def __init__(self, ds):
+                    horovod.torch.init()
+                    self.sampler = tud.DistributedSampler(ds, num_replicas=horovod.torch.size())  # expect: DD404
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            hvd.init()
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                train_set, num_replicas=hvd.size(), rank=hvd.rank())
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DistributedSampler
+
+            hvd.init()
+            # positional num_replicas and rank
+            sampler = DistributedSampler(train_set, hvd.size(), hvd.rank(), True)
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            import horovod.torch as hvd
+            from torch.utils.data import DistributedSampler
+
+            def setup(args):
+                if args.backend == "horovod":
+                    hvd.init()
+                else:
+                    dist.init_process_group("nccl")
+                return DistributedSampler(train_set)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DistributedSampler
+
+            # not a Horovod script
+            sampler = DistributedSampler(train_set)
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DistributedSampler
+
+            kwargs = dict(num_replicas=hvd.size(), rank=hvd.rank())
+            sampler = DistributedSampler(train_set, **kwargs)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.uses_horovod or ctx.process_group_initialised:
+            return
+        for _, _, call in ctx.calls(SAMPLER):
+            if any(arg.star for arg in call.args):
+                continue  # `**kwargs` may carry them
+            missing = [
+                name
+                for position, name in ((1, "num_replicas"), (2, "rank"))
+                if flow.argument(call, position, name) is None
+            ]
+            if not missing:
+                continue
+            wanted = {"num_replicas": "num_replicas=hvd.size()", "rank": "rank=hvd.rank()"}
+            yield Report(
+                call,
+                f"DistributedSampler without {' and '.join(missing)} reads them from torch.distributed, "
+                f"which this Horovod script never initialises (RuntimeError at construction). Pass "
+                f"{', '.join(wanted[name] for name in missing)}.",
+            )
