@@ -1,0 +1,352 @@
+"""`distdoctor lint`, `rules` and `explain` as a user drives them: exit codes, formats, fixes,
+configuration and suppression (spec/lint.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from distdoctor import engine
+from distdoctor.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD = textwrap.dedent(
+    """\
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model = DDP(Net())
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    sampler = DistributedSampler(ds)
+    loader = DataLoader(ds, sampler=sampler)
+    for epoch in range(3):
+        for batch in loader:
+            pass
+    """
+)
+GOOD = textwrap.dedent(
+    """\
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(Net())
+    model = DDP(model)
+    """
+)
+
+
+def run(*args: str, input: str | None = None, cwd: Path | None = None):
+    runner = CliRunner()
+    if cwd is None:
+        return runner.invoke(main, list(args), input=input)
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return runner.invoke(main, list(args), input=input)
+    finally:
+        os.chdir(old)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    (tmp_path / "bad.py").write_text(BAD)
+    (tmp_path / "good.py").write_text(GOOD)
+    return tmp_path
+
+
+def test_exit_status_is_zero_when_clean_and_one_with_findings(tree):
+    assert run("lint", "--no-cache", str(tree / "good.py")).exit_code == 0
+    result = run("lint", "--no-cache", str(tree / "bad.py"))
+    assert result.exit_code == 1
+    assert f"{tree / 'bad.py'}:6:9: DD101 [error]" in result.output
+    assert "DD201 [warning]" in result.output
+    assert "2 fixable" in result.output
+
+
+def test_exit_zero_and_usage_errors(tree):
+    assert run("lint", "--no-cache", "--exit-zero", str(tree / "bad.py")).exit_code == 0
+    missing = run("lint", str(tree / "nope.py"))
+    assert missing.exit_code == 2 and "no such file" in missing.output and "Traceback" not in missing.output
+    unknown = run("lint", "--select", "DD999", str(tree))
+    assert unknown.exit_code == 2 and "unknown rule code" in unknown.output
+    assert run("explain", "DD999").exit_code == 2
+
+
+def test_json_output_is_the_documented_contract(tree):
+    result = run("lint", "--no-cache", "--format", "json", str(tree / "bad.py"))
+    data = json.loads(result.output)
+    assert [f["code"] for f in data] == ["DD101", "DD201"]
+    first = data[0]
+    assert set(first) == {"code", "name", "severity", "message", "path", "line", "column", "end_line", "end_column", "fix"}
+    assert first["path"] == str(tree / "bad.py")
+    assert (first["line"], first["column"]) == (6, 9)
+    assert first["fix"]["applicable"] == "safe" and first["fix"]["edits"]
+
+
+def test_sarif_output_has_rules_results_and_regions(tree):
+    result = run("lint", "--no-cache", "--format", "sarif", str(tree / "bad.py"))
+    doc = json.loads(result.output)
+    assert doc["version"] == "2.1.0"
+    run_ = doc["runs"][0]
+    rules = run_["tool"]["driver"]["rules"]
+    assert {"DD101", "DD201", "DD401"} <= {r["id"] for r in rules}
+    first = run_["results"][0]
+    assert rules[first["ruleIndex"]]["id"] == first["ruleId"] == "DD101"
+    region = first["locations"][0]["physicalLocation"]["region"]
+    assert region["startLine"] == 6 and region["startColumn"] == 9
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, SARIF_SUBSET_SCHEMA)
+
+
+# The parts of the SARIF 2.1.0 schema that GitHub code scanning reads, written out by hand.
+SARIF_SUBSET_SCHEMA = {
+    "type": "object",
+    "required": ["version", "runs"],
+    "properties": {
+        "version": {"const": "2.1.0"},
+        "runs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["tool", "results"],
+                "properties": {
+                    "tool": {
+                        "type": "object",
+                        "required": ["driver"],
+                        "properties": {
+                            "driver": {
+                                "type": "object",
+                                "required": ["name", "rules"],
+                                "properties": {
+                                    "rules": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["id", "shortDescription", "help"],
+                                            "properties": {
+                                                "defaultConfiguration": {
+                                                    "type": "object",
+                                                    "properties": {"level": {"enum": ["none", "note", "warning", "error"]}},
+                                                }
+                                            },
+                                        },
+                                    }
+                                },
+                            }
+                        },
+                    },
+                    "results": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["ruleId", "message", "locations", "level"],
+                            "properties": {
+                                "level": {"enum": ["none", "note", "warning", "error"]},
+                                "message": {"type": "object", "required": ["text"]},
+                                "locations": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["physicalLocation"],
+                                        "properties": {
+                                            "physicalLocation": {
+                                                "type": "object",
+                                                "required": ["artifactLocation", "region"],
+                                                "properties": {
+                                                    "region": {
+                                                        "type": "object",
+                                                        "required": ["startLine"],
+                                                        "properties": {
+                                                            "startLine": {"type": "integer", "minimum": 1},
+                                                            "startColumn": {"type": "integer", "minimum": 1},
+                                                        },
+                                                    }
+                                                },
+                                            }
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_github_annotations(tree):
+    result = run("lint", "--no-cache", "--format", "github", str(tree / "bad.py"))
+    first = result.output.splitlines()[0]
+    assert first.startswith(f"::error file={tree / 'bad.py'},line=6,col=9,")
+    assert "title=DD101::" in first
+
+
+def test_fix_rewrites_atomically_keeps_mode_and_is_idempotent(tree):
+    bad = tree / "bad.py"
+    bad.chmod(0o750)
+    result = run("lint", "--no-cache", "--fix", str(bad))
+    assert result.exit_code == 0, result.output
+    text = bad.read_text()
+    assert text.index("convert_sync_batchnorm") < text.index("model = DDP(")
+    assert "    sampler.set_epoch(epoch)\n    for batch in loader:" in text
+    assert stat.S_IMODE(bad.stat().st_mode) == 0o750
+    assert not [p for p in tree.iterdir() if p.name.endswith(".distdoctor")]
+    assert run("lint", "--no-cache", "--fix", str(bad)).exit_code == 0
+    assert bad.read_text() == text
+
+
+def test_diff_shows_fixes_and_writes_nothing(tree):
+    bad = tree / "bad.py"
+    result = run("lint", "--no-cache", "--diff", str(bad))
+    assert result.exit_code == 1
+    assert "+    sampler.set_epoch(epoch)" in result.output
+    assert bad.read_text() == BAD
+
+
+def test_unparsable_file_is_dd000_and_others_are_still_linted(tree):
+    (tree / "broken.py").write_text("import torch.distributed as dist\ndef f(:\n")
+    result = run("lint", "--no-cache", "--format", "json", str(tree))
+    codes = {(Path(f["path"]).name, f["code"]) for f in json.loads(result.output)}
+    assert ("broken.py", "DD000") in codes and ("bad.py", "DD101") in codes
+    assert result.exit_code == 1
+
+
+def test_noqa_and_distdoctor_ignore_comments(tmp_path):
+    source = BAD.replace(
+        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # noqa: DD101",
+    ).replace("for epoch in range(3):", "for epoch in range(3):  # distdoctor: ignore[DD201, DD101]")
+    path = tmp_path / "t.py"
+    path.write_text(source)
+    assert run("lint", "--no-cache", str(path)).exit_code == 0
+    unused = run("lint", "--no-cache", "--report-unused-noqa", str(path))
+    assert "unused suppression of DD101" in unused.output and unused.exit_code == 1
+    bare = BAD.replace("convert_sync_batchnorm(model)", "convert_sync_batchnorm(model)  # noqa")
+    path.write_text(bare)
+    codes = [f["code"] for f in json.loads(run("lint", "--no-cache", "--format", "json", str(path)).output)]
+    assert codes == ["DD201"]
+
+
+def test_select_ignore_and_default_off_rules(tree):
+    bad = str(tree / "bad.py")
+    def codes(*args):
+        return [f["code"] for f in json.loads(run("lint", "--no-cache", "--format", "json", *args, bad).output)]
+    assert codes("--select", "DD2") == ["DD201"]
+    assert codes("--ignore", "DD1") == ["DD201"]
+    assert codes("--select", "DD101,DD201", "--ignore", "DD201") == ["DD101"]
+    hvd = tree / "hvd.py"
+    hvd.write_text("import horovod.torch as hvd\noptimizer = hvd.DistributedOptimizer(optimizer)\nhvd.broadcast_parameters(model.state_dict(), root_rank=0)\n")
+    def hvd_codes(*args):
+        return [f["code"] for f in json.loads(run("lint", "--no-cache", "--format", "json", *args, str(hvd)).output)]
+    assert "DD405" not in hvd_codes()
+    assert "DD405" not in hvd_codes("--select", "DD4")  # a family prefix does not enable house style
+    assert "DD405" in hvd_codes("--extend-select", "DD405")
+
+
+def test_pyproject_configuration_and_per_file_ignores(tree):
+    (tree / "pyproject.toml").write_text(
+        '[tool.distdoctor]\nignore = ["DD201"]\nper-file-ignores = {"legacy/*" = ["DD1"]}\n'
+    )
+    (tree / "legacy").mkdir()
+    (tree / "legacy" / "old.py").write_text(BAD)
+    data = json.loads(run("lint", "--no-cache", "--format", "json", str(tree)).output)
+    assert sorted((Path(f["path"]).name, f["code"]) for f in data) == [("bad.py", "DD101")]
+    # the command line beats the file
+    data = json.loads(run("lint", "--no-cache", "--format", "json", "--select", "DD201", str(tree / "bad.py")).output)
+    assert [f["code"] for f in data] == []  # ignore from the file still applies to a selected code
+    (tree / "pyproject.toml").write_text('[tool.distdoctor]\nselct = ["DD1"]\n')
+    typo = run("lint", str(tree))
+    assert typo.exit_code == 2 and "unknown key" in typo.output and "selct" in typo.output
+
+
+def test_walk_skips_virtualenvs_and_gitignored_paths(tmp_path):
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "lib.py").write_text(BAD)
+    (tmp_path / "generated").mkdir()
+    (tmp_path / "generated" / "g.py").write_text(BAD)
+    (tmp_path / "train.py").write_text(BAD)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("generated/\n")
+    data = json.loads(run("lint", "--no-cache", "--format", "json", str(tmp_path)).output)
+    assert {Path(f["path"]).name for f in data} == {"train.py"}
+
+
+def test_stdin(tree):
+    result = run("lint", "--no-cache", "--stdin-filename", "train.py", input=BAD)
+    assert result.exit_code == 1 and "train.py:6:9: DD101" in result.output
+    fixed = run("lint", "--fix", "-", input=BAD)
+    assert "sampler.set_epoch(epoch)" in fixed.output
+
+
+def test_statistics_and_rules_and_explain(tree):
+    stats = run("lint", "--no-cache", "--statistics", str(tree / "bad.py"))
+    assert "DD101" in stats.output and "DD201" in stats.output
+    listing = run("rules")
+    assert "DD405" in listing.output and "off" in listing.output
+    page = run("explain", "DD101").output
+    for heading in ("## What it does", "## Why is this bad?", "## Example", "## Use instead", "## Fix safety"):
+        assert heading in page
+    assert run("explain", "missing-set-epoch").exit_code == 0
+
+
+def test_cache_answers_an_unchanged_file_without_parsing(tree, monkeypatch):
+    first = run("lint", "--format", "json", str(tree / "bad.py"))
+    assert (tree / ".distdoctor_cache").exists() or Path(".distdoctor_cache").exists()
+
+    def boom(*args, **kwargs):
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(engine, "lint_source", boom)
+    second = run("lint", "--format", "json", str(tree / "bad.py"))
+    assert second.output == first.output
+
+
+def test_prefilter_skips_files_without_distributed_api(monkeypatch):
+    import libcst
+
+    calls = []
+    real = libcst.parse_module
+    monkeypatch.setattr(libcst, "parse_module", lambda src: calls.append(src) or real(src))
+    assert engine.lint_source("import numpy as np\nx = np.zeros(3)\n", "x.py", []).findings == ()
+    assert calls == []
+
+
+def test_lint_never_imports_torch(tree):
+    code = (
+        "import sys\nfrom distdoctor.cli import main\n"
+        f"try:\n    main(['lint', '--no-cache', {str(tree)!r}])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_pre_commit_hook_entry_runs_on_a_staged_bad_file(tmp_path):
+    hooks = (ROOT / ".pre-commit-hooks.yaml").read_text()
+    assert "id: distdoctor" in hooks and "types_or: [python, jupyter]" in hooks
+    entry = next(line.split(":", 1)[1].strip() for line in hooks.splitlines() if line.strip().startswith("entry:"))
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "train.py").write_text(BAD)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "train.py"], check=True)
+    staged = subprocess.run(
+        ["git", "-C", str(tmp_path), "diff", "--cached", "--name-only"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    argv = entry.split()
+    assert argv[:2] == ["distdoctor", "lint"]
+    result = subprocess.run(
+        [sys.executable, "-m", "distdoctor", *argv[1:], "--no-cache", *staged],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1 and "DD101" in result.stdout
