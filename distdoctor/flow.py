@@ -490,6 +490,18 @@ class Evaluator:
             return env_value(name, node) if name else None
         if qual in ("builtins.int",):
             return self.eval(node.args[0].value) if node.args else None
+        if not qual.startswith(("torch.", "horovod.")):
+            # Project helpers imported from elsewhere (`from util.misc import is_main_process`,
+            # `utils.get_rank()`): the usual names mean what they say.
+            last = qual.rsplit(".", 1)[-1]
+            if last in MAIN_PROCESS_FUNCS:
+                return Value(RANK_TEST, node, attrs={"zero": True}, origin="call")
+            if last in ("get_rank", "get_global_rank"):
+                return Value(RANK, node, origin="call")
+            if last == "get_local_rank":
+                return Value(LOCAL_RANK, node, origin="call")
+            if last == "get_world_size":
+                return Value(WORLD_SIZE, node, origin="call")
         return None
 
     def _eval_IfExp(self, node: cst.IfExp) -> Value | None:
