@@ -21,7 +21,7 @@ from typing import Any
 
 from distdoctor.builtin_protocol import (
     CHECK_IDS, CHECKS_ENV, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, STEPS_ENV, WORKER_MODULE, check_module,
-    progress_file, rank_file,
+    progress_file, rank_file, ranks_phrase,
 )
 from distdoctor.launch import LaunchResult, LaunchSpec, describe_exitcode, launch
 from distdoctor.probe_report import CheckResult, Report
@@ -97,14 +97,15 @@ def build_report(spec: LaunchSpec, checks: Sequence[str], result: LaunchResult, 
     evidence = _evidence_by_check(out_dir, world_size)
     progress = {r: p for r in range(world_size) if (p := _read_json(progress_file(out_dir, r))) is not None}
     failure = None if result.ok else diagnose(result, progress)
-    extra: dict[str, Any] = {"launch": {"returncode": result.returncode, "timed_out": result.timed_out,
-                                        "interrupted": result.interrupted, "duration_s": round(result.duration_s, 3)}}
-    if failure is not None:
-        extra["launch"]["failure"] = failure
+    # Launch facts travel in the details of the check that carries the failure, so the JSON keeps
+    # exactly the keys of spec/probe.md.
+    launch_facts = {"returncode": result.returncode, "timed_out": result.timed_out,
+                    "interrupted": result.interrupted, "duration_s": round(result.duration_s, 3)}
 
     if failure is not None and not progress_past_start(progress):
-        check = CheckResult(LAUNCH_CHECK_ID, "error", failure["summary"], failure["ranks"], {"output_tail": result.output[-4000:]})
-        return Report("builtin", spec.backend, world_size, duration, (check,), extra=extra)
+        check = CheckResult(LAUNCH_CHECK_ID, "error", failure["summary"], failure["ranks"],
+                            {"launch": launch_facts, "output_tail": result.output[-4000:]})
+        return Report("builtin", spec.backend, world_size, duration, (check,))
 
     results: list[CheckResult] = []
     stopped_in = failure["check"] if failure and failure["check"] in checks else None
@@ -114,15 +115,15 @@ def build_report(spec: LaunchSpec, checks: Sequence[str], result: LaunchResult, 
         if len(ranks) == world_size:
             results.append(_verdict(check, ranks, world_size))
         elif failure is not None and not carried and check == (stopped_in or check):
-            results.append(CheckResult(check, "error", failure["summary"], failure["ranks"], {}))
+            results.append(CheckResult(check, "error", failure["summary"], failure["ranks"], {"launch": launch_facts}))
             carried = True  # only the first unfinished check carries the failure
         elif failure is not None:
             results.append(CheckResult(check, "skip", "not reached: the probe stopped earlier", {}, {}))
         else:
             results.append(CheckResult(check, "error", f"only {len(ranks)} of {world_size} ranks reported", {}, {}))
     if failure is not None and not carried:
-        results.append(CheckResult(LAUNCH_CHECK_ID, "error", failure["summary"], failure["ranks"], {}))
-    return Report("builtin", spec.backend, world_size, duration, tuple(results), extra=extra)
+        results.append(CheckResult(LAUNCH_CHECK_ID, "error", failure["summary"], failure["ranks"], {"launch": launch_facts}))
+    return Report("builtin", spec.backend, world_size, duration, tuple(results))
 
 
 def _verdict(check: str, ranks: dict[int, dict], world_size: int) -> CheckResult:
@@ -180,7 +181,7 @@ def diagnose(result: LaunchResult, progress: dict[int, dict]) -> dict[str, Any]:
         culprit = rank
     elif waited and killed:
         rank = killed[0]
-        summary = (f"rank {rank} stalled {_where(progress.get(rank))}; rank(s) {', '.join(map(str, waited))} "
+        summary = (f"rank {rank} stalled {_where(progress.get(rank))}; {ranks_phrase(waited)} "
                    "timed out waiting for it in a collective")
         culprit = rank
     elif result.timed_out or result.interrupted:

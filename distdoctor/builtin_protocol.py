@@ -29,3 +29,8 @@ def rank_file(out_dir: Path, rank: int) -> Path:
 
 def progress_file(out_dir: Path, rank: int) -> Path:
     return out_dir / f"progress-{rank}.json"
+
+
+def ranks_phrase(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 1', for summaries."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

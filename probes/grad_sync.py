@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdoctor.builtin_protocol import ranks_phrase
 from distdoctor.probe_report import CheckResult
 
 ID = "grad-sync"
@@ -59,7 +60,7 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
     if off:
         ratio = ranks[off[0]]["grad_norm_ratio_vs_reference"]
         hint = f" (about {ratio:.3g}x the reference: summed, not averaged?)" if abs(ratio - world_size) < 0.05 * world_size and world_size > 1 else ""
-        problems.append(f"ranks {', '.join(map(str, off))} differ from the single-process reference{hint}")
+        problems.append(f"{ranks_phrase(off)} differ from the single-process reference{hint}")
     if problems:
         return CheckResult(ID, "fail", "; ".join(problems), shown, details)
     worst = max(ev["max_abs_diff_vs_reference"] for ev in ranks.values())

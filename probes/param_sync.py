@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdoctor.builtin_protocol import ranks_phrase
 from distdoctor.probe_report import CheckResult
 from distdoctor.probes.grad_sync import checksums_agree
 
@@ -42,7 +43,7 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
         if not checksums_agree(values):
             differing = [r for r, v in zip(order, values) if v != values[0]]
             when = "at step 0 (initial parameters)" if step == 0 else f"after step {step}"
-            return CheckResult(ID, "fail", f"parameters differ across ranks {when}: ranks {', '.join(map(str, differing))} "
+            return CheckResult(ID, "fail", f"parameters differ across ranks {when}: {ranks_phrase(differing)} "
                                f"differ from rank {order[0]}", shown, {"first_divergent_step": step, "steps": steps - 1})
     return CheckResult(ID, "pass", f"equal on {world_size} ranks at step 0 and after each of {steps - 1} steps",
                        shown, {"first_divergent_step": None, "steps": steps - 1})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from distdoctor.builtin_protocol import ranks_phrase
 from distdoctor.probe_report import CheckResult
 
 ID = "sampler"
@@ -47,7 +48,7 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
             problems.append(f"epoch {epoch}: {repeated} samples on several ranks (padding allows {padding})")
     same = [r for r, ev in sorted(ranks.items()) if ev["epochs"][0] == ev["epochs"][1]]
     if same:
-        problems.append(f"ranks {', '.join(map(str, same))} see the same order in epochs 0 and 1 (set_epoch not called?)")
+        problems.append(f"{ranks_phrase(same)} see the same order in epochs 0 and 1 (set_epoch not called?)")
     shown = {str(r): {"epoch0_head": ev["epochs"][0][:6], "epoch1_head": ev["epochs"][1][:6], "shard": len(ev["epochs"][0])}
              for r, ev in sorted(ranks.items())}
     details = {"dataset_size": size, "padding": padding}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdoctor.builtin_protocol import ranks_phrase
 from distdoctor.probe_report import CheckResult
 
 ID = "syncbn"
@@ -79,7 +80,7 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
     first = ranks[min(ranks)]
     if off:
         what = "plain BatchNorm (not synchronised)" if first["mode"] == "batchnorm" else first["mode"]
-        return CheckResult(ID, "fail", f"ranks {', '.join(map(str, off))}: normalisation differs from BatchNorm on the "
+        return CheckResult(ID, "fail", f"{ranks_phrase(off)}: normalisation differs from BatchNorm on the "
                            f"global batch ({what})", shown, details)
     if first["mode"] == "statistics-math":
         return CheckResult(ID, "skip", f"nn.SyncBatchNorm cannot run here ({first['unsupported']}); its all-reduced "
