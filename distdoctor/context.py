@@ -255,6 +255,38 @@ class LintContext:
                 return True
         return False
 
+    def parts_of(self, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> Iterator[tuple[Step, cst.BaseExpression]]:
+        """The expressions whose values make up `expr`, each with the step to evaluate it at:
+        `expr` itself, the entries of a dict/list/tuple literal or `dict(...)` call, and, through
+        names, what was assigned to them (including `ckpt["model"] = ...` stores in between) and
+        the argument a helper's parameter was given. `torch.save(state, f)` in a helper called
+        with `{"model": model.state_dict()}` yields that `state_dict()` call."""
+        yield step, expr
+        if depth > 6:
+            return
+        if isinstance(expr, cst.Dict):
+            for element in expr.elements:
+                yield from self.parts_of(trace, step, element.value, depth + 1)
+        elif isinstance(expr, (cst.List, cst.Tuple)):
+            for element in expr.elements:
+                yield from self.parts_of(trace, step, element.value, depth + 1)
+        elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Name) and expr.func.value == "dict":
+            for arg in expr.args:
+                yield from self.parts_of(trace, step, arg.value, depth + 1)
+        elif isinstance(expr, (cst.Name, cst.Attribute)):
+            found = self.binding(trace, step, expr)
+            if found is None:
+                return
+            source_step, source = found
+            yield from self.parts_of(trace, source_step, source, depth + 1)
+            text = dotted(expr)
+            for between in trace.steps[source_step.index + 1 : step.index]:
+                node = between.node
+                if isinstance(node, cst.Assign) and len(node.targets) == 1:
+                    target = node.targets[0].target
+                    if isinstance(target, cst.Subscript) and dotted(target.value) == text:
+                        yield from self.parts_of(trace, between, node.value, depth + 1)
+
     # --- positions and edits -----------------------------------------------------------------
     @cached_property
     def _positions(self):
