@@ -255,6 +255,103 @@ class LintContext:
                 return True
         return False
 
+    # --- backward passes and optimizer steps -------------------------------------------------
+    def is_backward(self, call: cst.Call) -> bool:
+        """`loss.backward()`, `scaler.scale(loss).backward()`, `torch.autograd.backward(...)`."""
+        if self.qualname(call.func) == "torch.autograd.backward":
+            return True
+        return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward" and self.qualname(call.func) is None
+
+    def stepped_optimizer(self, trace: Trace, step: Step, call: cst.Call) -> Value | None:
+        """The optimizer (OPTIMIZER or HVD_OPTIMIZER value) that `opt.step()` or
+        `scaler.step(opt)` steps, or None when `call` is no known optimizer step."""
+        if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"):
+            return None
+        kinds = (flow.OPTIMIZER, flow.HVD_OPTIMIZER)
+        receiver = trace.value(call.func.value, step)
+        if receiver is not None and receiver.kind in kinds:
+            return receiver
+        if receiver is not None and receiver.kind == flow.SCALER and call.args:
+            stepped = trace.value(call.args[0].value, step)
+            if stepped is not None and stepped.kind in kinds:
+                return stepped
+        return None
+
+    def backward_passes_per_step(self, trace: Trace, step: Step) -> int | None:
+        """How many backward passes run for each execution of the optimizer step at `step`,
+        when statically known: backward and step once per iteration of the same loop (1), the
+        step under `if (i + 1) % k == 0` (k), the backward inside `for _ in range(k)` nested in
+        the step's loop (k), several unconditional backward calls per iteration (their number),
+        or `if amp: scaler.scale(loss).backward() else: loss.backward()` (1). None otherwise."""
+        if not step.loops:
+            return None
+        loop = step.loops[-1]
+        step_guards = {(id(g.test), g.negated) for g in step.guards}
+        passes: list[tuple[int, tuple[tuple[int, bool], ...], set[tuple[int, bool]]]] = []
+        updates = 0
+        for other in trace.steps:
+            if not other.in_loop(loop):
+                continue
+            for call in flow.own_calls(other.node):
+                if isinstance(call.func, cst.Attribute) and call.func.attr.value == "step" and self.stepped_optimizer(trace, other, call) is not None:
+                    updates += 1
+                if not self.is_backward(call):
+                    continue
+                inner = other.loops[other.loops.index(loop) + 1 :]
+                count = 1
+                for nested in inner:
+                    times = _static_range_length(trace, other, nested)
+                    if times is None or step.in_loop(nested):
+                        return None
+                    count *= times
+                extra = tuple((id(g.test), g.negated) for g in other.guards if (id(g.test), g.negated) not in step_guards)
+                passes.append((count, extra, {(id(g.test), g.negated) for g in other.guards}))
+        if not passes or updates != 1:
+            return None
+        unconditional = [count for count, extra, _ in passes if not extra]
+        conditional = [(count, extra) for count, extra, _ in passes if extra]
+        if conditional:
+            # One if/else pair choosing between two spellings of the same backward pass.
+            if unconditional or len(conditional) != 2:
+                return None
+            (c1, e1), (c2, e2) = conditional
+            if not (len(e1) == len(e2) == 1 and e1[0][0] == e2[0][0] and e1[0][1] != e2[0][1] and c1 == c2):
+                return None
+            per_iteration = c1
+        else:
+            per_iteration = sum(unconditional)
+        # Conditions on the step that not every backward pass shares: `if (i + 1) % k == 0`.
+        shared = set.intersection(*(guards for _, _, guards in passes))
+        step_only = [g for g in step.guards if (id(g.test), g.negated) not in shared]
+        if not step_only:
+            return per_iteration
+        if len(step_only) != 1 or step_only[0].negated:
+            return None
+        period = _modulo_period(trace, step, step_only[0].test)
+        return None if period is None else period * per_iteration
+
+    def is_entry(self, trace: Trace) -> bool:
+        """Whether a trace is a known entry point of the script: the module body, or a function
+        handed to a launcher (`mp.spawn(worker, ...)`, `launch(main, ...)`,
+        `Process(target=train)`). A function that nothing in the file calls or references may be
+        library code whose callers, and their rank guards, cannot be seen."""
+        if isinstance(trace.root, cst.Module):
+            return True
+        return isinstance(trace.root, cst.FunctionDef) and trace.root.name.value in self._referenced_functions
+
+    @cached_property
+    def _referenced_functions(self) -> frozenset[str]:
+        names: set[str] = set(self.info.spawn_targets)
+        functions = self.info.functions
+
+        class Finder(cst.CSTVisitor):
+            def visit_Arg(self, node: cst.Arg) -> None:
+                if isinstance(node.value, cst.Name) and node.value.value in functions:
+                    names.add(node.value.value)
+
+        self.module.visit(Finder())
+        return frozenset(names)
+
     def parts_of(self, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> Iterator[tuple[Step, cst.BaseExpression]]:
         """The expressions whose values make up `expr`, each with the step to evaluate it at:
         `expr` itself, the entries of a dict/list/tuple literal or `dict(...)` call, and, through
@@ -362,3 +459,45 @@ def _subexpressions(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
 
     expr.visit(Collector())
     return found
+
+
+def _static_int(trace: Trace, step: Step, expr: cst.BaseExpression) -> int | None:
+    value = trace.value(expr, step)
+    if value is None or value.kind != flow.CONST:
+        return None
+    number = value.attrs.get("value")
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
+def _static_range_length(trace: Trace, step: Step, loop: cst.CSTNode) -> int | None:
+    """The number of iterations of `for _ in range(k)` / `range(a, b)` with known bounds."""
+    if not (isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) and dotted(loop.iter.func) == "range"):
+        return None
+    args = [arg.value for arg in loop.iter.args if arg.keyword is None and not arg.star]
+    if not 1 <= len(args) <= 2 or len(args) != len(loop.iter.args):
+        return None
+    bounds = [_static_int(trace, step, arg) for arg in args]
+    if any(bound is None for bound in bounds):
+        return None
+    start, stop = (0, bounds[0]) if len(bounds) == 1 else (bounds[0], bounds[1])
+    return max(0, stop - start)
+
+
+def _modulo_period(trace: Trace, step: Step, test: cst.BaseExpression) -> int | None:
+    """k for `(i + 1) % k == 0`, `not i % k`, `... % k == 0 or last_batch`, with k known."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or):
+        periods = [p for p in (_modulo_period(trace, step, test.left), _modulo_period(trace, step, test.right)) if p is not None]
+        return periods[0] if len(periods) == 1 else None
+    modulo: cst.BaseExpression | None = None
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        modulo = test.expression
+    elif isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal):
+        left, right = test.left, test.comparisons[0].comparator
+        if _static_int(trace, step, left) == 0:
+            left, right = right, left
+        if _static_int(trace, step, right) == 0:
+            modulo = left
+    if not (isinstance(modulo, cst.BinaryOperation) and isinstance(modulo.operator, cst.Modulo)):
+        return None
+    period = _static_int(trace, step, modulo.right)
+    return period if period is not None and period > 0 else None
