@@ -75,6 +75,8 @@ class UnguardedCheckpointSave(Rule):
     checkpoint dict holding them) on the code path of a distributed training script when no
     rank-0 condition guards it, or when the only guard tests the *local* rank
     (`if local_rank == 0:`, `if args.local_rank in [-1, 0]:`), which is true once per node.
+    The index an `mp.spawn` worker receives counts as the rank: spawn scripts mostly run on one
+    node, where it is.
 
     Guards at the call site of a helper count (`if is_main_process(): save_checkpoint(...)`), as
     does code after `if rank != 0: return`. Files named per rank (`f"ckpt_{rank}.pt"`), saves of
@@ -263,7 +265,7 @@ class UnguardedCheckpointSave(Rule):
             if any(not guard.zero for guard in guards):
                 continue  # runs on the other ranks only: someone meant it
             zero_guards = [guard for guard in guards if guard.zero]
-            if zero_guards and not all(guard.local for guard in zero_guards):
+            if zero_guards and not all(guard.local and not _tests_spawn_index(trace, step, guard.guard.test) for guard in zero_guards):
                 continue
             if zero_guards:
                 line = ctx.position(zero_guards[-1].guard.test).start.line
@@ -278,6 +280,22 @@ class UnguardedCheckpointSave(Rule):
                     "that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
                 )
             yield Report(call, message)
+
+
+def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
+    """`if gpu == 0` in an `mp.spawn` worker: the index is the rank of a one-node job, the usual
+    case for spawn scripts, so the guard counts as a rank-0 guard."""
+    found = False
+
+    class Finder(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> None:
+            nonlocal found
+            value = trace.value(node, step)
+            if value is not None and value.kind == flow.LOCAL_RANK and value.origin == "spawn":
+                found = True
+
+    test.visit(Finder())
+    return found
 
 
 def _multi_process(ctx: LintContext) -> bool:
