@@ -352,6 +352,35 @@ class LintContext:
         self.module.visit(Finder())
         return frozenset(names)
 
+    @cached_property
+    def runs_multi_process(self) -> bool:
+        """A script that really runs several processes: it starts a process group or Horovod, or
+        wraps a model in DDP (importing `torch.distributed` alone is not enough)."""
+        if not self.is_distributed:
+            return False
+        if self.process_group_initialised:
+            return True
+        wanted = ("horovod.torch.init", "torch.nn.parallel.DistributedDataParallel")
+        return any(self.qualname(call.func) in wanted for _, call in self._all_calls)
+
+    def data_flow(self, trace: Trace, start: Step, seeds: set[tuple[int, str]]) -> Iterator[tuple[Step, bool]]:
+        """Follow data forward from `start` along the trace: yields every later step with whether
+        it reads a tainted name, tainting what such a step assigns. `seeds` are
+        (frame id, name) pairs; a helper that returns tainted data taints its call site's targets.
+        Names only: attributes and containers are followed through their base name."""
+        tainted = set(seeds)
+        returned: set[int] = set()
+        for step in trace.steps[start.index + 1 :]:
+            calls = flow.own_calls(step.node)
+            uses = any((step.frame.id, name) in tainted for name in _read_names(step.node))
+            uses = uses or any(id(call) in returned for call in calls)
+            if uses:
+                for name in _assigned_names(step.node):
+                    tainted.add((step.frame.id, name))
+                if isinstance(step.node, cst.Return) and step.frame.call is not None:
+                    returned.add(id(step.frame.call))
+            yield step, uses
+
     def parts_of(self, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> Iterator[tuple[Step, cst.BaseExpression]]:
         """The expressions whose values make up `expr`, each with the step to evaluate it at:
         `expr` itself, the entries of a dict/list/tuple literal or `dict(...)` call, and, through
@@ -446,6 +475,67 @@ def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) ->
 
     test.visit(Finder())
     return found
+
+
+def _read_names(node: cst.CSTNode) -> set[str]:
+    """Names a step reads: the whole small statement, or the header of a compound one."""
+    parts: list[cst.CSTNode]
+    if isinstance(node, (cst.If, cst.While)):
+        parts = [node.test]
+    elif isinstance(node, cst.For):
+        parts = [node.iter]
+    elif isinstance(node, cst.With):
+        parts = list(node.items)
+    elif isinstance(node, cst.Assign):
+        parts = [node.value, *(t.target for t in node.targets if not isinstance(t.target, (cst.Name, cst.Tuple, cst.List)))]
+    elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+        parts = [node.value] if node.value is not None else []
+        if isinstance(node, cst.AugAssign):
+            parts.append(node.target)
+    elif isinstance(node, cst.BaseSmallStatement):
+        parts = [node]
+    else:
+        parts = []
+    names: set[str] = set()
+
+    class Collector(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            names.add(name.value)
+
+        def visit_Attribute(self, attribute: cst.Attribute) -> bool:
+            attribute.value.visit(self)
+            return False
+
+        def visit_Lambda(self, lam: cst.Lambda) -> bool:
+            return False
+
+    for part in parts:
+        part.visit(Collector())
+    return names
+
+
+def _assigned_names(node: cst.CSTNode) -> set[str]:
+    """Base names a statement binds or mutates (`x = ...`, `a, b = ...`, `d["k"] = ...`, `x += ...`,
+    `for x in ...`, `with ... as x`)."""
+    targets: list[cst.CSTNode] = []
+    if isinstance(node, cst.Assign):
+        targets = [t.target for t in node.targets]
+    elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+        targets = [node.target]
+    elif isinstance(node, cst.For):
+        targets = [node.target]
+    elif isinstance(node, cst.With):
+        targets = [item.asname.name for item in node.items if item.asname is not None]
+    names: set[str] = set()
+    for target in targets:
+        while isinstance(target, (cst.Subscript, cst.Attribute)):
+            target = target.value
+        if isinstance(target, cst.Name):
+            names.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for element in target.elements:
+                names |= _assigned_names(cst.Assign([cst.AssignTarget(element.value)], cst.Name("None")))
+    return names
 
 
 def _subexpressions(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
