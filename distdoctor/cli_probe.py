@@ -7,7 +7,6 @@ Exit status: 0 no check fails, 1 a check fails, 2 usage or launch error, 130 int
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -110,8 +109,10 @@ def dispatch(
     echo: bool,
 ) -> Report:
     """Run the probe the options select: a user's script, the Horovod built-in, or the torch built-in."""
-    if framework == "horovod" and importlib.util.find_spec("horovod") is None:
-        raise ProbeUnavailable("Horovod is not installed: see README")
+    if framework == "horovod":
+        from distdoctor.horovod_probe import require_horovod
+
+        require_horovod()  # HorovodUnavailable names scripts/install-horovod.sh (exit 2)
     if script is not None:
         module = _optional_module("distdoctor.script_probe", "the script probe")
         report = module.run_script_probe(script, list(script_args), spec, steps=steps or DEFAULT_SCRIPT_STEPS,

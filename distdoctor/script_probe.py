@@ -58,7 +58,10 @@ def run_script_probe(
     if steps < 0:
         raise LaunchError(f"--steps must be 0 (run to the end) or more, got {steps}")
     if framework == "horovod":
-        return _horovod_report(spec)
+        from distdoctor.horovod_script import run_horovod_script_probe
+
+        return run_horovod_script_probe(script, script_args, spec, steps=steps, log_file=log_file,
+                                        keep_run_dir=keep_run_dir)
     script = os.path.abspath(script)
     run_dir = Path(keep_run_dir or os.environ.get(protocol.RUN_DIR_ENV) or tempfile.mkdtemp(prefix="distdoctor-probe-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,15 +114,3 @@ def overhead(trace: RunTrace) -> dict[str, Any]:
                                    "share_of_train_time": round(hook_s / train_s, 4) if train_s else None}
     shares = [v["share_of_train_time"] for v in per_rank.values() if v["share_of_train_time"] is not None]
     return {"ranks": per_rank, "max_share_of_train_time": max(shares) if shares else None}
-
-
-def _horovod_report(spec: LaunchSpec) -> Report:
-    """Horovod scripts: launched with horovodrun, hooked in `instrument.hooks.install_horovod_hooks`."""
-    try:
-        import horovod  # noqa: F401
-        reason = "Horovod scripts are not probed yet: run the script under torch.distributed (torchrun)"
-    except ImportError:
-        reason = "Horovod is not installed (pip install horovod): Horovod scripts cannot be probed"
-    checks = tuple(CheckResult(check_id, "skip", reason) for check_id in CHECK_IDS)
-    return Report(mode="script", backend=spec.backend, world_size=spec.nproc * spec.nnodes, duration_s=0.0,
-                  checks=checks, extra={"framework": "horovod"})

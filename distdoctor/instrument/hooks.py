@@ -308,6 +308,7 @@ class Probe:
                 self.model_ids.add(id(module))
                 self.models.append(weakref.ref(module))
                 module.register_forward_pre_hook(self.on_model_forward, with_kwargs=True)
+                self.on_model_forward(module, args, {})  # the instance hook only runs from the next call
                 self.write("model", index=len(self.models) - 1, cls=type(module).__name__,
                            inner=type(getattr(module, "module", module)).__name__, site=user_site(3))
             self.hook_s += time.perf_counter() - began
@@ -493,4 +494,6 @@ def install_horovod_hooks(probe: Probe) -> None:
     Horovod adds its own wrappers (its optimizer all-reduces gradients inside `step`/`synchronize`,
     and `broadcast_parameters` replaces DDP's initial broadcast), which are hooked here.
     """
-    raise NotImplementedError("Horovod scripts are not instrumented yet")
+    from distdoctor.instrument.horovod_hooks import install
+
+    install(probe)
