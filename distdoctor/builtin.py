@@ -185,13 +185,31 @@ def diagnose(result: LaunchResult, progress: dict[int, dict]) -> dict[str, Any]:
                    "timed out waiting for it in a collective")
         culprit = rank
     elif result.timed_out or result.interrupted:
-        behind = min(progress, key=lambda r: progress[r].get("time", 0.0)) if progress else None
         cause = "interrupted" if result.interrupted else f"no result within the {result.duration_s:.0f} s wall clock"
-        summary = cause + (f"; the rank with the oldest progress is rank {behind}, {_where(progress[behind])}"
-                           if behind is not None else "")
-        culprit = behind
+        behind = _ranks_behind(progress)
+        if len(behind) == 1:
+            summary = f"{cause}; rank {behind[0]} is behind the others, {_where(progress[behind[0]])}"
+        elif behind:
+            summary = f"{cause}; {ranks_phrase(behind)} stopped {_where(progress[behind[0]])}"
+        else:
+            summary = cause
+        culprit = behind[0] if len(behind) == 1 else None
     else:
         summary = result.failure_message()
         culprit = waited[0] if waited else None
-    return {"summary": summary, "ranks": ranks, "rank": culprit,
-            "check": check_of(culprit) if culprit is not None else None}
+    where = culprit if culprit is not None else next(iter(_ranks_behind(progress)), None)
+    return {"summary": summary, "ranks": ranks, "rank": culprit, "check": check_of(where) if where is not None else None}
+
+
+def _ranks_behind(progress: dict[int, dict]) -> list[int]:
+    """The ranks whose last recorded position (check, step) is the earliest of all."""
+    order = {check: i for i, check in enumerate(("init", *CHECK_IDS, "gather", "done"))}
+
+    def position(rank: int) -> tuple[int, int]:
+        p = progress[rank]
+        return order.get(p.get("check"), -1), p.get("step") or 0
+
+    if not progress:
+        return []
+    earliest = min(position(r) for r in progress)
+    return sorted(r for r in progress if position(r) == earliest)
