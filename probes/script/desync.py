@@ -38,6 +38,12 @@ def _parted_at_step(trace: RunTrace, index: int) -> CheckResult:
         made[rank] = (steps[index].backward - b0, steps[index].collectives - c0)
         sites[rank] = (_between(t, b0, steps[index].backward, "bwd"), _between(t, c0, steps[index].collectives, "coll"))
     groups = group_ranks(made, lambda a, b: a == b)
+    if len(groups) > 1 and len(groups[0]) == len(groups[1]) and index:
+        # A tie (two ranks): the ranks that did what they did at the previous step are the norm.
+        before = {r: (t.primary_steps()[index - 1].backward - (t.primary_steps()[index - 2].backward if index > 1 else 0),
+                      t.primary_steps()[index - 1].collectives - (t.primary_steps()[index - 2].collectives if index > 1 else 0))
+                  for r, t in trace.ranks.items()}
+        groups.sort(key=lambda g: (-len(g), made[g[0]] != before[g[0]], g[0]))
     odd = odd_ranks(groups)
 
     def show(rank: int) -> str:
