@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import libcst as cst
@@ -12,8 +11,8 @@ from distdoctor.context import LintContext
 from distdoctor.flow import Step, Trace
 from distdoctor.rule import Example, Report, Rule
 
-# Any of these in the file means the script controls gradient sync itself.
-SYNC_CONTROL = re.compile(r"no_sync|require_backward_grad_sync|accelerator\.accumulate|\.accumulate\(")
+# Any of these attributes in the code means the script controls gradient sync itself.
+SYNC_CONTROL = frozenset({"no_sync", "require_backward_grad_sync", "accumulate"})
 
 
 class AccumulationWithoutNoSync(Rule):
@@ -173,7 +172,7 @@ class AccumulationWithoutNoSync(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if SYNC_CONTROL.search(ctx.source) or not ctx.uses_torch_distributed:
+        if not ctx.uses_torch_distributed or _controls_sync(ctx.module):
             return
         for trace in ctx.traces:
             for step, call in trace.calls():
@@ -188,6 +187,24 @@ class AccumulationWithoutNoSync(Rule):
                         "all-reduces, though only the last one before optimizer.step() needs to. Run the other "
                         "micro-batches' forward and backward inside `with model.no_sync():`.",
                     )
+
+
+def _controls_sync(module: cst.Module) -> bool:
+    found = False
+
+    class Finder(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            nonlocal found
+            if node.attr.value in SYNC_CONTROL:
+                found = True
+
+        def visit_Name(self, node: cst.Name) -> None:
+            nonlocal found
+            if "no_sync" in node.value:
+                found = True
+
+    module.visit(Finder())
+    return found
 
 
 def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:

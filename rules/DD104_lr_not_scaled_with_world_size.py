@@ -135,7 +135,7 @@ class LrNotScaledWithWorldSize(Rule):
             return
         for trace, step, call in ctx.calls(LOADER):
             batch = flow.argument(call, 1, "batch_size")
-            if batch is not None and ctx.scales_with_world_size(trace, step, batch):
+            if batch is not None and _scaled(ctx, trace, step, batch):
                 return
         if _lr_rescaled_later(ctx):
             return
@@ -145,7 +145,7 @@ class LrNotScaledWithWorldSize(Rule):
                 if value is None or value.kind != flow.OPTIMIZER:
                     continue
                 lr = flow.argument(call, 1, "lr")
-                if lr is None or ctx.scales_with_world_size(trace, step, lr):
+                if lr is None or _scaled(ctx, trace, step, lr):
                     continue
                 yield Report(
                     call,
@@ -153,6 +153,26 @@ class LrNotScaledWithWorldSize(Rule):
                     "so the global batch grows with every GPU: consider the linear scaling rule "
                     "(`lr = base_lr * dist.get_world_size()`, with warm-up).",
                 )
+
+
+WORKER_COUNT_WORDS = ("world", "gpus", "gpu_count", "n_gpu", "nproc", "replicas", "num_workers_total", "nodes")
+
+
+def _scaled(ctx: LintContext, trace: flow.Trace, step: flow.Step, expr: cst.BaseExpression) -> bool:
+    """Scaled by the world size, or by a name that counts the workers (`world_size` passed to an
+    `mp.spawn` worker, `ngpus_per_node`)."""
+    if ctx.scales_with_world_size(trace, step, expr):
+        return True
+    found = False
+
+    class Finder(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> None:
+            nonlocal found
+            if any(word in node.value.lower() for word in WORKER_COUNT_WORDS):
+                found = True
+
+    expr.visit(Finder())
+    return found
 
 
 def _lr_rescaled_later(ctx: LintContext) -> bool:
@@ -169,7 +189,7 @@ def _lr_rescaled_later(ctx: LintContext) -> bool:
                     and isinstance(target.target.slice[0].slice, cst.Index)
                     and isinstance(target.target.slice[0].slice.value, cst.SimpleString)
                     and target.target.slice[0].slice.value.evaluated_value == "lr"
-                    and ctx.scales_with_world_size(trace, step, node.value)
+                    and _scaled(ctx, trace, step, node.value)
                 ):
                     return True
     return False
