@@ -359,7 +359,14 @@ def _env(evidence) -> CheckResult:
 
 
 def _grad_sync(evidence) -> CheckResult:
-    ranks = {str(rank): ev["grad-sync"] for rank, ev in sorted(evidence.items())}
+    ranks = {
+        str(rank): {
+            "grad_sum": ev["grad-sync"]["grad_checksum"]["sum"],
+            "grad_norm": ev["grad-sync"]["grad_norm"],
+            "relative_diff_vs_reference": ev["grad-sync"]["relative_diff_vs_reference"],
+        }
+        for rank, ev in sorted(evidence.items())
+    }
     digests = {ev["grad-sync"]["grad_checksum"]["sha1"] for ev in evidence.values()}
     worst = max(ev["grad-sync"]["relative_diff_vs_reference"] for ev in evidence.values())
     details = {"relative_tolerance": GRAD_RTOL, "worst_relative_diff": worst, "when": "after synchronize(), step 0"}
@@ -386,10 +393,12 @@ def _grad_sync(evidence) -> CheckResult:
 
 def _param_sync(evidence) -> CheckResult:
     ordered = sorted(evidence.items())
+    sums = {str(rank): [c["sum"] for c in ev["param-sync"]["param_checksums"]] for rank, ev in ordered}
     ranks = {
         str(rank): {
-            "param_checksum_sums": [c["sum"] for c in ev["param-sync"]["param_checksums"]],
-            "optimizer_state_checksum": ev["param-sync"]["optimizer_state_checksum"]["sum"],
+            "param_sum_start": sums[str(rank)][0],
+            "param_sum_end": sums[str(rank)][-1],
+            "optimizer_state_sum": ev["param-sync"]["optimizer_state_checksum"]["sum"],
         }
         for rank, ev in ordered
     }
@@ -397,12 +406,12 @@ def _param_sync(evidence) -> CheckResult:
     steps = min(len(s) for s in series)
     first_diff = next((i for i in range(steps) if len({s[i] for s in series}) > 1), None)
     states = {ev["param-sync"]["optimizer_state_checksum"]["sha1"] for _, ev in ordered}
-    details = {"checkpoints": steps, "first_differing": first_diff}
+    details = {"checkpoints": steps, "first_differing": first_diff, "param_sums_per_rank": sums}
     if first_diff is not None:
         when = "at the start (after the broadcasts)" if first_diff == 0 else f"after step {first_diff}"
-        sums = ", ".join(f"rank {r}: {ranks[str(r)]['param_checksum_sums'][first_diff]:.6g}" for r, _ in ordered)
+        values = ", ".join(f"rank {r}: {sums[str(r)][first_diff]:.6g}" for r, _ in ordered)
         hint = ": was hvd.broadcast_parameters called?" if first_diff == 0 else ""
-        return CheckResult("param-sync", "fail", f"parameters differ across ranks {when} ({sums}){hint}", ranks, details)
+        return CheckResult("param-sync", "fail", f"parameters differ across ranks {when} ({values}){hint}", ranks, details)
     if len(states) > 1:
         return CheckResult(
             "param-sync",
@@ -422,6 +431,7 @@ def _param_sync(evidence) -> CheckResult:
 
 def _convergence(evidence) -> CheckResult:
     ranks: dict[str, Any] = {}
+    loss_per_rank: dict[str, list[float]] = {}
     worst, worst_rank, worst_step = 0.0, None, None
     reference: list[float] = []
     for rank, ev in sorted(evidence.items()):
@@ -430,12 +440,15 @@ def _convergence(evidence) -> CheckResult:
         scale = max(abs(reference[0]), 1e-12)
         devs = [abs(a - b) / scale for a, b in zip(losses, reference)]
         step = max(range(len(devs)), key=devs.__getitem__) if devs else 0
-        ranks[str(rank)] = {"losses": losses, "lr": ev["lr"], "max_relative_deviation": devs[step] if devs else 0.0}
+        ranks[str(rank)] = {"lr": ev["lr"], "max_relative_deviation": devs[step] if devs else 0.0,
+                            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+        loss_per_rank[str(rank)] = losses
         if devs and devs[step] > worst:
             worst, worst_rank, worst_step = devs[step], rank, step
     first = next(iter(evidence.values()))
     details = {
-        "reference_losses": reference,
+        "loss_per_rank": loss_per_rank,  # the names distdoctor.plots draws
+        "reference_loss": reference,
         "reference": "single process, global batch, lr * hvd.size(), clipping of the averaged gradient",
         "scaled_lr": first["scaled_lr"],
         "relative_tolerance": LOSS_RTOL,
