@@ -113,3 +113,23 @@ def sharpen(check: CheckResult, events: dict[int, list[dict[str, Any]]], site: C
             cause = "changed on a rank after hvd.broadcast_parameters"
         return replace(check, summary=f"{head}; {cause}", details={**check.details, "broadcast_ranks": sorted(broadcast)})
     return check
+
+
+def script_framework(path: str) -> str:
+    """"horovod" when the script imports Horovod (`import horovod.torch as hvd`, `from horovod...`),
+    else "torch": what `distdoctor probe SCRIPT` uses when `--framework` is not given."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return "torch"
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        if any(name == "horovod" or name.startswith("horovod.") for name in names):
+            return "horovod"
+    return "torch"

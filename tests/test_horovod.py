@@ -61,6 +61,22 @@ def test_without_horovod_the_cli_names_the_install_script(no_horovod, args):
     assert "scripts/install-horovod.sh" in result.output
 
 
+def test_a_script_that_imports_horovod_is_probed_with_horovod(no_horovod):
+    result = CliRunner().invoke(cli, ["probe", str(FIXTURES / "hvd_no_broadcast.py")])
+    assert result.exit_code == 2, result.output
+    assert "scripts/install-horovod.sh" in result.output
+
+
+def test_the_framework_follows_the_script_imports(tmp_path):
+    from distdoctor.horovod_script import script_framework
+
+    for path in HVD_FIXTURES:
+        assert script_framework(str(path)) == "horovod", path.name
+    plain = tmp_path / "ddp.py"
+    plain.write_text("import torch.distributed as dist\nhorovod = 'not an import'\n")
+    assert script_framework(str(plain)) == "torch"
+
+
 def test_without_horovod_the_python_api_raises_a_launch_error(no_horovod):
     with pytest.raises(horovod_probe.HorovodUnavailable, match="scripts/install-horovod.sh"):
         horovod_probe.run_builtin_horovod()
