@@ -155,7 +155,8 @@ def _split_ids(value: str | None) -> list[str] | None:
 @click.option("--steps", type=click.IntRange(min=1), help="Training steps (built-in: 10; script: 20).")
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help="Wall-clock limit for the whole probe, in seconds; collectives time out sooner.")
-@click.option("--framework", type=click.Choice(["torch", "horovod"]), default="torch", show_default=True)
+@click.option("--framework", type=click.Choice(["torch", "horovod"]),
+              help="torch (torchrun) or horovod (horovodrun). Default: horovod for a script that imports it, else torch.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Rendezvous endpoint, the same on every node.")
@@ -172,6 +173,10 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
     Without SCRIPT: the built-in probe (synthetic data and models). With SCRIPT: your training
     script under torchrun, stopped after --steps optimizer steps; its arguments follow `--`.
     """
+    if framework is None:
+        from distdoctor.horovod_script import script_framework
+
+        framework = script_framework(script) if script is not None else "torch"
     wanted_checks = _split_ids(checks)
     if wanted_checks and script is None and framework == "torch":
         from distdoctor.builtin_protocol import CHECK_IDS
