@@ -2,7 +2,7 @@
 # Build and install Horovod 0.28.1 (PyTorch + Gloo) against the torch already installed.
 #
 # Why this script exists: Horovod's last release, 0.28.1, does not build against torch >= 2.1
-# as published. This script downloads the release from the package index, applies two build
+# as published. This script downloads the release from the package index, applies the build
 # fixes at build time (the Horovod sources are never committed here), builds a wheel against the
 # installed torch, caches that wheel, installs it and checks it with `horovodrun --check-build`.
 #
