@@ -591,39 +591,68 @@ def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
     return None
 
 
+def walk(node: cst.CSTNode, skip: tuple[type, ...] = ()) -> Iterator[cst.CSTNode]:
+    """Every node under `node` (itself included), parents before children, in field order, not
+    descending into nodes of the `skip` types. Much faster than a libcst visitor, which rebuilds
+    every node it passes."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        children: list[cst.CSTNode] = []
+        for name in current.__dataclass_fields__:
+            value = getattr(current, name)
+            if isinstance(value, cst.CSTNode):
+                children.append(value)
+            elif isinstance(value, (list, tuple)):
+                children.extend(item for item in value if isinstance(item, cst.CSTNode))
+        stack.extend(child for child in reversed(children) if not isinstance(child, skip))
+
+
+def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
+    """Calls under `node` in evaluation order: arguments (and the receiver) before the call."""
+    out: list[cst.Call] = []
+
+    def visit(current: cst.CSTNode) -> None:
+        for name in current.__dataclass_fields__:
+            value = getattr(current, name)
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, cst.CSTNode) and not isinstance(item, _OPAQUE):
+                    visit(item)
+        if isinstance(current, cst.Call):
+            out.append(current)
+
+    visit(node)
+    return out
+
+
+_OPAQUE = (cst.Lambda, cst.FunctionDef, cst.ClassDef)
+_CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = {}
+_CALLS_MEMO_LIMIT = 200_000
+
+
 def own_calls(node: cst.CSTNode) -> list[cst.Call]:
     """Calls in a statement in evaluation order (arguments before the call), not descending into
-    nested function bodies, lambdas, or the bodies of compound statements."""
-    collector = _CallCollector()
-    if isinstance(node, (cst.For,)):
-        node.iter.visit(collector)
+    nested function bodies, lambdas, or the bodies of compound statements. Memoised: every rule
+    asks this of the same steps."""
+    entry = _CALLS_MEMO.get(id(node))
+    if entry is not None and entry[0] is node:
+        return entry[1]
+    if isinstance(node, cst.For):
+        calls = _calls_in_order(node.iter)
     elif isinstance(node, (cst.While, cst.If)):
-        node.test.visit(collector)
+        calls = _calls_in_order(node.test)
     elif isinstance(node, cst.With):
-        for item in node.items:
-            item.visit(collector)
-    elif isinstance(node, (cst.Try, cst.FunctionDef, cst.ClassDef)):
-        pass
+        calls = [call for item in node.items for call in _calls_in_order(item)]
+    elif isinstance(node, (cst.Try, cst.TryStar, cst.FunctionDef, cst.ClassDef, cst.Match)):
+        calls = []
     else:
-        node.visit(collector)
-    return collector.calls
-
-
-class _CallCollector(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.calls: list[cst.Call] = []
-
-    def leave_Call(self, original_node: cst.Call) -> None:
-        self.calls.append(original_node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
+        calls = _calls_in_order(node)
+    if len(_CALLS_MEMO) > _CALLS_MEMO_LIMIT:
+        _CALLS_MEMO.clear()
+    _CALLS_MEMO[id(node)] = (node, calls)  # holding the node keeps its id from being reused
+    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,13 +699,18 @@ class _Builder:
                 self.env[key] = Value("def", stmt)
         elif isinstance(stmt, cst.If):
             self.emit(stmt, stmt, frame, loops, guards, block)
+            before = self.env
             self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame)))
             orelse = stmt.orelse
             negated = (*guards, Guard(stmt.test, True, frame))
-            if isinstance(orelse, cst.If):
-                self.run_statement(orelse, frame, loops, negated, block)
-            elif isinstance(orelse, cst.Else):
-                self.run_block(orelse, orelse.body.body, frame, loops, negated)
+            if orelse is not None:
+                after_body = self.env
+                self.env = before  # the other branch starts from the state before the `if`
+                if isinstance(orelse, cst.If):
+                    self.run_statement(orelse, frame, loops, negated, block)
+                else:
+                    self.run_block(orelse, orelse.body.body, frame, loops, negated)
+                self.env = _merge_branches(after_body, self.env)
         elif isinstance(stmt, (cst.For, cst.While)):
             self.emit(stmt, stmt, frame, loops, guards, block)
             if isinstance(stmt, cst.For):
@@ -851,6 +885,22 @@ class _Builder:
 @dataclass(frozen=True)
 class _NoBody:
     value: Value
+
+
+def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> dict[Any, Value]:
+    """The state after an if/else: where the branches disagree, keep the value that says more
+    about distributed training (`master = rank == 0` in one branch, `master = True` in the
+    other, is a rank test), else the first branch's."""
+    merged = dict(second)
+    for key, value in first.items():
+        other = second.get(key)
+        if other is None or other is value:
+            merged[key] = value
+        elif value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST):
+            merged[key] = other
+        else:
+            merged[key] = value
+    return merged
 
 
 def _ends_block(body: Sequence[cst.CSTNode]) -> bool:
