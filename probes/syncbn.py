@@ -45,6 +45,7 @@ def run(ctx) -> dict[str, Any]:
             mode = "statistics-math"
             layer = torch.nn.BatchNorm1d(CHANNELS).to(ctx.device).train()
             got = _allreduced_batchnorm(local, layer, dist)
+    got, want = got.detach(), want.detach()
     return {
         "mode": mode,
         "unsupported": unsupported,
