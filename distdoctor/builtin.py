@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from distdoctor.builtin_protocol import (
-    CHECK_IDS, CHECKS_ENV, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, STEPS_ENV, WORKER_MODULE, check_module,
+    CHECK_IDS, CHECKS_ENV, FAULTS, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, STEPS_ENV, WORKER_MODULE, check_module,
     progress_file, rank_file, ranks_phrase,
 )
 from distdoctor.launch import LaunchResult, LaunchSpec, describe_exitcode, launch
@@ -51,6 +51,9 @@ def run_builtin(
     unknown = sorted(set(wanted) - set(CHECK_IDS))
     if unknown:
         raise ValueError(f"unknown check(s): {', '.join(unknown)}; known: {', '.join(CHECK_IDS)}")
+    unknown_faults = sorted(set(faults) - set(FAULTS))
+    if unknown_faults:
+        raise ValueError(f"unknown fault(s): {', '.join(unknown_faults)}; known: {', '.join(FAULTS)}")
     ordered = tuple(c for c in CHECK_IDS if c in wanted)
     out_dir = Path(tempfile.mkdtemp(prefix="distdoctor-probe-"))
     try:

@@ -178,24 +178,37 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
 
         framework = script_framework(script) if script is not None else "torch"
     wanted_checks = _split_ids(checks)
-    if wanted_checks and script is None and framework == "torch":
-        from distdoctor.builtin_protocol import CHECK_IDS
+    faults = _split_ids(inject) or ()
+    if script is None and framework == "torch":
+        from distdoctor.builtin_protocol import CHECK_IDS, FAULTS
 
-        unknown = sorted(set(wanted_checks) - set(CHECK_IDS))
+        unknown = sorted(set(wanted_checks or ()) - set(CHECK_IDS))
         if unknown:
             raise click.UsageError(f"unknown check(s) {', '.join(unknown)}; built-in checks: {', '.join(CHECK_IDS)}")
+        if set(faults) - set(FAULTS):
+            raise click.UsageError(f"unknown fault(s) {', '.join(sorted(set(faults) - set(FAULTS)))}")
     spec = resolve_spec(gpus=gpus, nproc=nproc, backend=backend, nnodes=nnodes, node_rank=node_rank,
                         rdzv_endpoint=rdzv_endpoint, timeout=timeout)
     try:
         report = dispatch(script, script_args, spec, framework=framework, steps=steps, checks=wanted_checks,
-                          faults=_split_ids(inject) or (), log_file=log_file, echo=verbose)
+                          faults=faults, log_file=log_file, echo=verbose)
     except (LaunchError, ProbeUnavailable) as exc:
+        click.echo(f"distdoctor probe: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:  # outside the launch's own wait, which stops the ranks itself
+        click.echo("distdoctor probe: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except OSError as exc:  # e.g. an unwritable --log-file: a message, not a traceback
         click.echo(f"distdoctor probe: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     if report_dir is not None:
         from distdoctor.plots import write_report
 
-        write_report(report, report_dir)
+        try:
+            write_report(report, report_dir)
+        except OSError as exc:
+            click.echo(f"distdoctor probe: cannot write the report to {report_dir}: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
     if output_format == "json":
         click.echo(report.to_json())
     else:

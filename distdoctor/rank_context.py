@@ -16,19 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Faults a test can plant (hidden `--inject`); each names the check(s) it must make fail.
-FAULTS: dict[str, str] = {
-    "rank-init": "parameters re-initialised per rank after DDP wrapped them (no broadcast)",
-    "no-allreduce": "a DDP comm hook that skips the gradient all-reduce",
-    "sum-grads": "a DDP comm hook that sums gradients instead of averaging them",
-    "no-syncbn": "BatchNorm left per rank instead of SyncBatchNorm",
-    "no-set-epoch": "DistributedSampler iterated without set_epoch",
-    "corrupt-allreduce": "the last rank feeds one wrong element into the exactness all_reduce",
-    "slow-link": "the last rank sleeps inside the timed all_reduce of the largest size",
-    "same-gpu": "every rank picks GPU 0 instead of its LOCAL_RANK",
-    "rank-dies": "the last rank raises at convergence step 2",
-    "rank-stalls": "the last rank sleeps forever at convergence step 2",
-}
+# The step at which the planted rank-dies / rank-stalls faults strike.
 FAULT_STEP = 2
 
 

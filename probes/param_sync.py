@@ -44,6 +44,6 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
             differing = [r for r, v in zip(order, values) if v != values[0]]
             when = "at step 0 (initial parameters)" if step == 0 else f"after step {step}"
             return CheckResult(ID, "fail", f"parameters differ across ranks {when}: {ranks_phrase(differing)} "
-                               f"differ from rank {order[0]}", shown, {"first_divergent_step": step, "steps": steps - 1})
+                               f"{'differs' if len(differing) == 1 else 'differ'} from rank {order[0]}", shown, {"first_divergent_step": step, "steps": steps - 1})
     return CheckResult(ID, "pass", f"equal on {world_size} ranks at step 0 and after each of {steps - 1} steps",
                        shown, {"first_divergent_step": None, "steps": steps - 1})
