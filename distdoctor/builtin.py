@@ -117,7 +117,7 @@ def build_report(spec: LaunchSpec, checks: Sequence[str], result: LaunchResult, 
         ranks = evidence.get(check, {})
         if len(ranks) == world_size:
             results.append(_verdict(check, ranks, world_size))
-        elif failure is not None and not carried and check == (stopped_in or check):
+        elif failure is not None and not carried and stopped_in in (None, check):
             results.append(CheckResult(check, "error", failure["summary"], failure["ranks"], {"launch": launch_facts}))
             carried = True  # only the first unfinished check carries the failure
         elif failure is not None:
