@@ -164,15 +164,26 @@ class LintContext:
     @cached_property
     def _parents(self) -> dict[int, cst.CSTNode]:
         parents: dict[int, cst.CSTNode] = {}
-
-        class Collector(cst.CSTVisitor):
-            def on_visit(self, node: cst.CSTNode) -> bool:
-                for child in node.children:
-                    parents[id(child)] = node
-                return True
-
-        self.module.visit(Collector())
+        for node in flow.walk(self.module):
+            for name in node.__dataclass_fields__:
+                value = getattr(node, name)
+                items = value if isinstance(value, (list, tuple)) else (value,)
+                for item in items:
+                    if isinstance(item, cst.CSTNode):
+                        parents[id(item)] = node
         return parents
+
+    @cached_property
+    def _nodes_by_type(self) -> dict[type, list[cst.CSTNode]]:
+        index: dict[type, list[cst.CSTNode]] = {}
+        for node in flow.walk(self.module):
+            index.setdefault(type(node), []).append(node)
+        return index
+
+    def nodes(self, *types: type) -> list[cst.CSTNode]:
+        """Every node of the given types in the file, in source order per type: one walk of the
+        tree shared by all rules, instead of a libcst visitor per rule."""
+        return [node for kind in types for node in self._nodes_by_type.get(kind, [])]
 
     def grad_disabled(self, step: Step) -> bool:
         """Whether `step` runs with autograd off: inside `with torch.no_grad()` /
@@ -344,12 +355,9 @@ class LintContext:
         names: set[str] = set(self.info.spawn_targets)
         functions = self.info.functions
 
-        class Finder(cst.CSTVisitor):
-            def visit_Arg(self, node: cst.Arg) -> None:
-                if isinstance(node.value, cst.Name) and node.value.value in functions:
-                    names.add(node.value.value)
-
-        self.module.visit(Finder())
+        for node in self.nodes(cst.Arg):
+            if isinstance(node.value, cst.Name) and node.value.value in functions:
+                names.add(node.value.value)
         return frozenset(names)
 
     @cached_property

@@ -178,7 +178,9 @@ class ModuleInfo:
                 classes[stmt.name.value] = stmt
         info = cls(module, imports, functions, classes, {})
         finder = _SpawnFinder(info)
-        module.visit(finder)
+        for node in walk(module):
+            if isinstance(node, cst.Call):
+                finder.visit_Call(node)
         return info
 
     def methods(self, cls_node: cst.ClassDef) -> dict[str, cst.FunctionDef]:
@@ -210,7 +212,7 @@ def _is_main_guard(test: cst.BaseExpression) -> bool:
     )
 
 
-class _SpawnFinder(cst.CSTVisitor):
+class _SpawnFinder:
     """Functions started as worker processes: `mp.spawn(fn, ...)`, `Process(target=fn)`."""
 
     def __init__(self, info: ModuleInfo) -> None:

@@ -65,7 +65,10 @@ class ImportTable:
     @classmethod
     def of(cls, module: cst.Module) -> ImportTable:
         collector = _ImportCollector()
-        module.visit(collector)
+        for node in _walk_statements(module):
+            handler = getattr(collector, "visit_" + type(node).__name__, None)
+            if handler is not None:
+                handler(node)
         aliases = {
             name: target for name, target in collector.imports.items() if name not in collector.shadowed
         }
@@ -96,7 +99,25 @@ class ImportTable:
         return any(t == p or t.startswith(p + ".") for t in self.aliases.values() for p in prefixes)
 
 
-class _ImportCollector(cst.CSTVisitor):
+def _walk_statements(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
+    """Imports, defs and assignments anywhere in the module (statements only: no expression
+    holds any), without a libcst visitor, which rebuilds every node it passes."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        if isinstance(current, cst.SimpleStatementLine):
+            stack.extend(reversed(current.body))
+            continue
+        if isinstance(current, (cst.BaseSmallStatement, cst.BaseExpression)):
+            continue
+        for name in current.__dataclass_fields__:
+            value = getattr(current, name)
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            stack.extend(item for item in reversed(items) if isinstance(item, (cst.BaseStatement, cst.BaseSuite, cst.BaseSmallStatement, cst.Else, cst.ExceptHandler, cst.Finally, cst.MatchCase, cst.ExceptStarHandler)))
+
+
+class _ImportCollector:
     def __init__(self) -> None:
         self.imports: dict[str, str] = {}
         self.shadowed: set[str] = set()
