@@ -78,17 +78,3 @@ def test_expectation_parser() -> None:
     path = FIXTURES / "fault_skip_backward.py"
     assert expectations(path)["desync"] == ("fail", {"step": "4", "ranks": "1"})
 
-
-def test_horovod_without_horovod_is_skipped(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    try:
-        import horovod  # noqa: F401
-        pytest.skip("Horovod is installed")
-    except ImportError:
-        pass
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    report = run_script_probe(str(script), [], LaunchSpec(nproc=2, backend="gloo"), steps=3, framework="horovod",
-                              log_file=None)
-    assert {c.status for c in report.checks} == {"skip"}
-    assert "Horovod" in report.checks[0].summary

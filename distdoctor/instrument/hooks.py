@@ -103,12 +103,18 @@ class _DeviceValues:
 
 
 def _checksums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[L1, L2] norms in float64 per tensor, as 2n 0-dim tensors, fused where torch can."""
+    """[L1, L2] norms per tensor, as 2n 0-dim tensors, fused where torch can.
+
+    float32 accumulation (4x cheaper than float64 on CPU) is enough: the same tensor gives the same
+    bits on every rank, and a real divergence moves a norm by far more than float32's precision.
+    Half and bfloat16 are upcast, their own precision would hide small differences.
+    """
     if not tensors:
         return []
+    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
     try:
-        ones = torch._foreach_norm(tensors, 1, dtype=_F64)
-        twos = torch._foreach_norm(tensors, 2, dtype=_F64)
+        ones = torch._foreach_norm(tensors, 1, dtype=torch.float32) if low else torch._foreach_norm(tensors, 1)
+        twos = torch._foreach_norm(tensors, 2, dtype=torch.float32) if low else torch._foreach_norm(tensors, 2)
     except (RuntimeError, TypeError, NotImplementedError):  # sparse or unusual dtypes
         ones = [t.to_dense().abs().sum(dtype=_F64) if t.is_sparse else t.abs().sum(dtype=_F64) for t in tensors]
         twos = [torch.linalg.vector_norm(t.to_dense().to(_F64)) for t in tensors]
