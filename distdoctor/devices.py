@@ -1,0 +1,258 @@
+"""Where a script names a CUDA device, and where it relies on the current one.
+
+Several rules ask the same questions about devices: which expression is used as a CUDA device
+index (`torch.cuda.set_device(i)`, `.to(i)`, `.cuda(i)`, `device_ids=[i]`, `f"cuda:{i}"`,
+`torch.device("cuda", i)`), and which calls use whatever device is current (a bare `.cuda()`,
+`.to("cuda")`, `DDP(model)` without `device_ids`). This module answers both along the traces, once
+per file; the rules judge what the index is (a global rank, a local rank, an argparse flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import libcst as cst
+
+from distdoctor import flow
+from distdoctor.flow import Step, Trace
+from distdoctor.names import dotted
+
+SET_DEVICE = "torch.cuda.set_device"
+DEVICE_CONTEXT = "torch.cuda.device"
+TORCH_DEVICE = "torch.device"
+DDP = "torch.nn.parallel.DistributedDataParallel"
+INIT_PROCESS_GROUP = "torch.distributed.init_process_group"
+
+
+@dataclass(frozen=True)
+class DeviceIndex:
+    """An expression used as a CUDA device index, with where it is used."""
+
+    trace: Trace
+    step: Step
+    site: cst.CSTNode  # the call or string that uses it: where a finding points
+    index: cst.BaseExpression  # the expression that is the index
+    how: str  # "set_device", "to", "cuda", "device_ids", "output_device", "device", "string", "device_id"
+
+
+def device_indices(ctx) -> Iterator[DeviceIndex]:
+    """Every expression used as a CUDA device index on the code path, in trace order."""
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            yield from _indices_of_call(ctx, trace, step, call)
+        for step in trace.steps:
+            for string, index in _cuda_strings(step.node):
+                yield DeviceIndex(trace, step, string, index, "string")
+
+
+def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
+    qual = ctx.qualname(call.func)
+    if qual in (SET_DEVICE, DEVICE_CONTEXT):
+        arg = flow.argument(call, 0, "device")
+        if arg is not None and not _is_string(arg):
+            yield DeviceIndex(trace, step, call, arg, "set_device" if qual == SET_DEVICE else "device")
+        return
+    if qual == TORCH_DEVICE:
+        kind = flow.argument(call, 0, "type")
+        index = flow.argument(call, 1, "index")
+        if index is not None and kind is not None and _string_value(kind) == "cuda":
+            yield DeviceIndex(trace, step, call, index, "device")
+        return
+    if qual == DDP:
+        ids = flow.keyword(call, "device_ids")
+        if isinstance(ids, (cst.List, cst.Tuple)):
+            for element in ids.elements:
+                if not _is_string(element.value):
+                    yield DeviceIndex(trace, step, call, element.value, "device_ids")
+        output = flow.keyword(call, "output_device")
+        if output is not None and not _is_string(output):
+            yield DeviceIndex(trace, step, call, output, "output_device")
+        return
+    if qual == INIT_PROCESS_GROUP:
+        device_id = flow.keyword(call, "device_id")
+        if device_id is not None:
+            yield DeviceIndex(trace, step, call, device_id, "device_id")
+        return
+    if qual is None and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda"):
+        method = call.func.attr.value
+        arg = flow.argument(call, 0, "device")
+        if arg is not None and not _is_string(arg) and not _is_literal(arg) and not _looks_like_dtype(arg):
+            yield DeviceIndex(trace, step, call, arg, method)
+
+
+def _cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
+    """`f"cuda:{i}"`, `"cuda:%d" % i`, `"cuda:{}".format(i)`, `"cuda:" + str(i)` in a statement."""
+    found: list[tuple[cst.CSTNode, cst.BaseExpression]] = []
+
+    class Finder(cst.CSTVisitor):
+        def visit_FormattedString(self, string: cst.FormattedString) -> None:
+            parts = string.parts
+            for before, after in zip(parts, parts[1:]):
+                if (
+                    isinstance(before, cst.FormattedStringText)
+                    and before.value.endswith("cuda:")
+                    and isinstance(after, cst.FormattedStringExpression)
+                ):
+                    found.append((string, after.expression))
+
+        def visit_BinaryOperation(self, op: cst.BinaryOperation) -> None:
+            text = _string_value(op.left)
+            if text is None:
+                return
+            if isinstance(op.operator, cst.Modulo) and text.startswith("cuda:%"):
+                right = op.right
+                if isinstance(right, cst.Tuple) and right.elements:
+                    right = right.elements[0].value
+                found.append((op, right))
+            elif isinstance(op.operator, cst.Add) and text == "cuda:":
+                right = op.right
+                if isinstance(right, cst.Call) and dotted(right.func) == "str" and right.args:
+                    right = right.args[0].value
+                found.append((op, right))
+
+        def visit_Call(self, call: cst.Call) -> None:
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "format" and call.args:
+                text = _string_value(func.value)
+                if text is not None and text.startswith("cuda:{"):
+                    found.append((call, call.args[0].value))
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return False
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+            return False
+
+        def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
+            return False  # the bodies of compound statements are steps of their own
+
+    node.visit(Finder())
+    return iter(found)
+
+
+def current_device_uses(ctx) -> Iterator[tuple[Trace, Step, cst.Call, str]]:
+    """Calls that put tensors or modules on whatever CUDA device is current: `x.cuda()`,
+    `x.to("cuda")`, `x.to(torch.device("cuda"))`, `x.to(device)` with `device` bound to one of
+    those. Yields (trace, step, call, how)."""
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            func = call.func
+            if ctx.qualname(func) is not None or not isinstance(func, cst.Attribute):
+                continue
+            method = func.attr.value
+            if method == "cuda" and not call.args:
+                yield trace, step, call, "cuda()"
+            elif method == "to":
+                arg = flow.argument(call, 0, "device")
+                if arg is not None and _means_current_cuda(ctx, trace, step, arg):
+                    yield trace, step, call, "to"
+
+
+def _means_current_cuda(ctx, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
+    if _string_value(expr) == "cuda":
+        return True
+    if isinstance(expr, cst.IfExp):  # "cuda" if torch.cuda.is_available() else "cpu"
+        return _means_current_cuda(ctx, trace, step, expr.body, depth + 1)
+    if isinstance(expr, cst.Call) and ctx.qualname(expr.func) == TORCH_DEVICE:
+        return len(expr.args) == 1 and _means_current_cuda(ctx, trace, step, expr.args[0].value, depth + 1)
+    if depth < 3 and isinstance(expr, (cst.Name, cst.Attribute)):
+        value = trace.value(expr, step)
+        bound = _bound_expression(value)
+        if bound is not None:
+            return _means_current_cuda(ctx, trace, step, bound, depth + 1)
+    return False
+
+
+def _bound_expression(value: flow.Value | None) -> cst.BaseExpression | None:
+    """The right-hand side a name was bound from, when the flow knows no better value."""
+    if value is None or value.kind != flow.UNKNOWN:
+        return None
+    node = value.node
+    if isinstance(node, cst.Assign):
+        return node.value
+    if isinstance(node, cst.AnnAssign):
+        return node.value
+    return None
+
+
+def selects_device_explicitly(ctx) -> bool:
+    """Whether the module selects a device per process anywhere, on the code path or not:
+    `torch.cuda.set_device`, `torch.cuda.device(...)`, `init_process_group(device_id=...)`,
+    `device_ids=` given to DDP, `CUDA_VISIBLE_DEVICES` set, or an explicit index anywhere
+    (`.to(local_rank)`, `.cuda(gpu)`, `f"cuda:{i}"`, `torch.device("cuda", i)`)."""
+    finder = _ExplicitDeviceFinder(ctx)
+    ctx.module.visit(finder)
+    return finder.found
+
+
+class _ExplicitDeviceFinder(cst.CSTVisitor):
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.found = False
+
+    def visit_Call(self, call: cst.Call) -> None:
+        qual = self.ctx.qualname(call.func) or ""
+        last = (dotted(call.func) or "").rsplit(".", 1)[-1]
+        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device":
+            self.found = True
+        elif qual == INIT_PROCESS_GROUP and flow.keyword(call, "device_id") is not None:
+            self.found = True
+        elif qual == DDP and flow.keyword(call, "device_ids") is not None:
+            self.found = True
+        elif qual == TORCH_DEVICE:
+            kind = flow.argument(call, 0, "type")
+            if flow.argument(call, 1, "index") is not None or (kind is not None and _string_value(kind) not in ("cuda", "cpu", None)):
+                self.found = True
+            if kind is not None and not _is_string(kind) and not _plain_device_choice(kind):
+                self.found = True  # torch.device(some_variable): may well be "cuda:N"
+        elif qual == "" and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("cuda", "to"):
+            arg = flow.argument(call, 0, "device")
+            if call.func.attr.value == "cuda" and arg is not None:
+                self.found = True
+            elif arg is not None and _string_value(arg) not in (None, "cuda", "cpu"):
+                self.found = True
+
+    def visit_FormattedString(self, node: cst.FormattedString) -> None:
+        if any(isinstance(p, cst.FormattedStringText) and "cuda:" in p.value for p in node.parts):
+            self.found = True
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        text = _string_value(node) or ""
+        if text == "CUDA_VISIBLE_DEVICES" or text.startswith("cuda:"):
+            self.found = True
+
+
+def _plain_device_choice(node: cst.CSTNode) -> bool:
+    """`"cuda" if torch.cuda.is_available() else "cpu"`: no index either way."""
+    return (
+        isinstance(node, cst.IfExp)
+        and _string_value(node.body) in ("cuda", "cpu")
+        and _string_value(node.orelse) in ("cuda", "cpu")
+    )
+
+
+def _string_value(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    if isinstance(node, cst.ConcatenatedString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _is_string(node: cst.CSTNode) -> bool:
+    return isinstance(node, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString))
+
+
+def _is_literal(node: cst.CSTNode) -> bool:
+    return isinstance(node, (cst.Integer, cst.Float)) or (isinstance(node, cst.Name) and node.value in ("None", "True", "False"))
+
+
+def _looks_like_dtype(node: cst.CSTNode) -> bool:
+    text = dotted(node) or ""
+    return text.startswith("torch.") and text.rsplit(".", 1)[-1] in {
+        "float", "float16", "float32", "float64", "half", "double", "bfloat16", "int", "int8", "int16",
+        "int32", "int64", "long", "bool", "uint8", "complex64", "channels_last",
+    }
