@@ -599,3 +599,19 @@ def _modulo_period(trace: Trace, step: Step, test: cst.BaseExpression) -> int | 
         return None
     period = _static_int(trace, step, modulo.right)
     return period if period is not None and period > 0 else None
+
+
+def wrapper_holding(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value | None:
+    """The DDP wrapper (already built before `step`) whose wrapped module `expr` is:
+    `ddp.module`, or the name that was passed to `DDP(...)`."""
+    if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
+        outer = trace.value(expr.value, step)
+        if outer is not None and outer.kind == flow.DDP:
+            return outer
+    value = trace.value(expr, step)
+    if value is None or value.node is None or value.kind in (flow.DDP, flow.CONST, flow.TUPLE):
+        return None
+    for other in step.env.values():
+        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
+            return other
+    return None

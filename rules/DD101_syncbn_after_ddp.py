@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor import flow
-from distdoctor.context import LintContext
+from distdoctor.context import LintContext, wrapper_holding
 from distdoctor.finding import Fix
 from distdoctor.flow import Step, Trace, Value
 from distdoctor.rule import Example, Report, Rule
@@ -174,21 +174,12 @@ class SyncBatchNormAfterDDP(Rule):
 
 
 def _wrapper_of(trace: Trace, step: Step, target: cst.BaseExpression) -> Value | None:
-    """The DDP wrapper that already holds the module being converted, if any."""
+    """The DDP wrapper that already holds the module being converted: the wrapper itself, its
+    `.module`, or the name that was passed to `DDP(...)`."""
     value = trace.value(target, step)
-    if value is None:
-        return None
-    if value.kind == flow.DDP:
+    if value is not None and value.kind == flow.DDP:
         return value
-    if isinstance(target, cst.Attribute) and target.attr.value == "module":
-        outer = trace.value(target.value, step)
-        if outer is not None and outer.kind == flow.DDP:
-            return outer
-    # `ddp = DDP(model)` then `model = convert(model)`: model is the module DDP drives.
-    for other in step.env.values():
-        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
-            return other
-    return None
+    return wrapper_holding(trace, step, target)
 
 
 def _move_above_wrap(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, wrapper: Value) -> Fix | None:

@@ -7,29 +7,13 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor import flow
-from distdoctor.context import LintContext
+from distdoctor.context import LintContext, wrapper_holding
 from distdoctor.flow import Step, Trace, Value
 from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
 
 # Attributes whose assignment changes no parameter: flags, in-place tensor data, gradients.
 NOT_PARAMETERS = frozenset({"data", "grad", "requires_grad", "training", "device", "dtype"})
-
-
-def wrapper_holding(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value | None:
-    """The DDP wrapper (already built before `step`) whose wrapped module `expr` is:
-    `ddp.module`, or the name that was passed to `DDP(...)`."""
-    if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
-        outer = trace.value(expr.value, step)
-        if outer is not None and outer.kind == flow.DDP:
-            return outer
-    value = trace.value(expr, step)
-    if value is None or value.node is None or value.kind in (flow.DDP, flow.CONST, flow.TUPLE):
-        return None
-    for other in step.env.values():
-        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
-            return other
-    return None
 
 
 class ParamsChangedAfterWrap(Rule):

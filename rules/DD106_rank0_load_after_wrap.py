@@ -9,7 +9,7 @@ import libcst as cst
 from distdoctor import flow
 from distdoctor.context import LintContext
 from distdoctor.rule import Example, Report, Rule
-from distdoctor.rules.DD105_params_changed_after_wrap import wrapper_holding
+from distdoctor.context import wrapper_holding
 
 
 class Rank0LoadAfterWrap(Rule):
