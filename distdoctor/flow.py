@@ -459,9 +459,8 @@ class Evaluator:
                     shuffle_value = None  # computed: unknown
             return Value(SAMPLER, node, attrs={"shuffle": shuffle_value})
         if qual in _LOADER_QUALS:
-            sampler_arg = keyword(node, "sampler")
-            if sampler_arg is None and len(node.args) >= 3 and node.args[2].keyword is None:
-                sampler_arg = node.args[2].value
+            # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
+            sampler_arg = argument(node, 3, "sampler")
             sampler = self.eval(sampler_arg) if sampler_arg is not None else None
             return Value(LOADER, node, inner=sampler, attrs={"has_sampler": sampler_arg is not None, "batch_sampler": keyword(node, "batch_sampler") is not None})
         if qual.startswith("torch.optim.") and not qual.startswith("torch.optim.lr_scheduler") and qual.rsplit(".", 1)[-1][:1].isupper():
