@@ -301,6 +301,8 @@ class Evaluator:
 
     # names -----------------------------------------------------------------------------------
     def _eval_Name(self, node: cst.Name) -> Value | None:
+        if node.value in ("True", "False", "None"):
+            return self._const(node)
         value = lookup(self.env, node.value, self.frame)
         if value is not None:
             return value
