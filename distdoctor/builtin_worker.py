@@ -67,6 +67,7 @@ def main() -> None:
         dist.all_gather_object(everyone, evidence)
         if local_rank == 0:
             _write_json(out_dir / GATHERED_FILE, everyone)
+        dist.barrier()  # no rank tears gloo down while another is still in the gather
         ctx.progress("done")
     finally:
         dist.destroy_process_group()
