@@ -1,0 +1,200 @@
+"""The real-world check: lint folders of real training scripts with every rule and show what fires.
+
+    python benchmarks/realworld.py /tmp/corpus/pytorch+examples /tmp/corpus/horovod+horovod
+    python benchmarks/realworld.py --json /tmp/corpus > findings.json
+
+Every `*.py` under the given folders (or the given files) is linted with ALL rules, default-off
+ones included (marked `off` in the table), without cache and without configuration, so the result
+depends on the rules alone. The output lists the count per rule, then every finding per file
+(code, path:line, message), then the number of files and files per second. Folders named like
+`<owner>+<repo>` (the layout of a corpus fetched for this check) are summarised per repository.
+
+Read the findings against the code: this script reports, it does not judge. Judgements (true or
+false positive) belong in the issue note of the real-world check.
+
+Standard library and distdoctor only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from distdoctor.engine import SKIPPED_DIRS, lint_source, read_source
+from distdoctor.finding import Finding
+from distdoctor.rule import all_rules
+
+
+@dataclass(frozen=True)
+class FileOutcome:
+    path: str
+    findings: tuple[Finding, ...]
+    error: str | None
+    seconds: float
+
+
+def python_files(roots: list[str]) -> list[Path]:
+    """Every `*.py` under the roots (files given directly are kept), in a stable order."""
+    found: list[Path] = []
+    for root in roots:
+        path = Path(root)
+        if path.is_file():
+            found.append(path)
+            continue
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+            found.extend(Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py"))
+    return list(dict.fromkeys(found))
+
+
+def lint_file(path: str) -> FileOutcome:
+    start = time.perf_counter()
+    try:
+        source = read_source(Path(path))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return FileOutcome(path, (), f"cannot read: {exc}", time.perf_counter() - start)
+    try:
+        result = lint_source(source, path, all_rules())
+    except Exception as exc:  # a crash in a rule is itself a finding of this check
+        return FileOutcome(path, (), f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
+    return FileOutcome(path, result.findings, None, time.perf_counter() - start)
+
+
+def run(paths: list[Path], jobs: int) -> tuple[list[FileOutcome], float]:
+    start = time.perf_counter()
+    names = [str(p) for p in paths]
+    if jobs > 1 and len(names) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(lint_file, names, chunksize=4))
+    else:
+        outcomes = [lint_file(name) for name in names]
+    return outcomes, time.perf_counter() - start
+
+
+def repository_of(path: str) -> str:
+    """`owner+repo` for a corpus laid out as `<root>/<owner>+<repo>/...`, else the top folder."""
+    for part in Path(path).parts:
+        if "+" in part:
+            return part.replace("+", "/", 1)
+    parts = Path(path).parts
+    return parts[0] if parts else path
+
+
+def report_text(outcomes: list[FileOutcome], seconds: float, out) -> None:
+    rules = {rule.code: rule for rule in all_rules()}
+    findings = [f for o in outcomes for f in o.findings]
+    per_rule = Counter(f.code for f in findings)
+    files_per_rule: dict[str, set[str]] = defaultdict(set)
+    for f in findings:
+        files_per_rule[f.code].add(f.path)
+
+    print("Findings per rule (all rules; `off` = default-off, runs only when selected)", file=out)
+    print(f"  {'code':<6} {'name':<36} {'sev':<8} {'on':<4} {'findings':>8} {'files':>6}", file=out)
+    for code, rule in rules.items():
+        on = "on" if rule.default_on else "off"
+        print(f"  {code:<6} {rule.name:<36} {rule.severity:<8} {on:<4} {per_rule.get(code, 0):>8} {len(files_per_rule.get(code, ())):>6}", file=out)
+    print(file=out)
+
+    by_repo: dict[str, Counter] = defaultdict(Counter)
+    files_by_repo: Counter = Counter()
+    for o in outcomes:
+        repo = repository_of(o.path)
+        files_by_repo[repo] += 1
+        by_repo[repo].update(f.code for f in o.findings)
+    if len(files_by_repo) > 1:
+        print("Per repository", file=out)
+        for repo in sorted(files_by_repo):
+            counts = ", ".join(f"{code} x{n}" for code, n in sorted(by_repo[repo].items())) or "-"
+            print(f"  {repo:<44} {files_by_repo[repo]:>4} files  {counts}", file=out)
+        print(file=out)
+
+    print("Findings per file", file=out)
+    for o in outcomes:
+        if not o.findings and o.error is None:
+            continue
+        print(f"  {o.path}", file=out)
+        if o.error is not None:
+            print(f"    ERROR  {o.error}", file=out)
+        for f in o.findings:
+            off = "" if rules.get(f.code) is None or rules[f.code].default_on else " (off)"
+            print(f"    {f.code}{off} {f.path}:{f.line}: {f.message}", file=out)
+    print(file=out)
+
+    lines = _line_count(outcomes)
+    errors = sum(1 for o in outcomes if o.error is not None)
+    rate = len(outcomes) / seconds if seconds > 0 else float("inf")
+    slowest = max(outcomes, key=lambda o: o.seconds, default=None)
+    print(
+        f"{len(outcomes)} files ({lines} lines), {len(findings)} findings, {errors} errors, "
+        f"{seconds:.2f} s wall, {rate:.1f} files/s",
+        file=out,
+    )
+    if slowest is not None:
+        print(f"slowest file: {slowest.path} ({slowest.seconds:.2f} s)", file=out)
+
+
+def report_json(outcomes: list[FileOutcome], seconds: float, out) -> None:
+    rules = {rule.code: rule for rule in all_rules()}
+    payload = {
+        "files": len(outcomes),
+        "lines": _line_count(outcomes),
+        "seconds": round(seconds, 3),
+        "files_per_second": round(len(outcomes) / seconds, 2) if seconds > 0 else None,
+        "per_rule": {
+            code: {
+                "name": rule.name,
+                "severity": rule.severity,
+                "default_on": rule.default_on,
+                "findings": sum(1 for o in outcomes for f in o.findings if f.code == code),
+            }
+            for code, rule in rules.items()
+        },
+        "errors": [{"path": o.path, "error": o.error} for o in outcomes if o.error is not None],
+        "findings": [
+            {**f.to_dict(), "default_on": rules[f.code].default_on if f.code in rules else True}
+            for o in outcomes
+            for f in o.findings
+        ],
+    }
+    json.dump(payload, out, indent=1)
+    out.write("\n")
+
+
+def _line_count(outcomes: list[FileOutcome]) -> int:
+    total = 0
+    for o in outcomes:
+        try:
+            with open(o.path, "rb") as handle:
+                total += sum(1 for _ in handle)
+        except OSError:
+            pass
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="folders (walked for *.py) or files")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    args = parser.parse_args(argv)
+    paths = python_files(args.paths)
+    if not paths:
+        print("no *.py files found", file=sys.stderr)
+        return 2
+    outcomes, seconds = run(paths, args.jobs)
+    if args.json:
+        report_json(outcomes, seconds, sys.stdout)
+    else:
+        report_text(outcomes, seconds, sys.stdout)
+    return 1 if any(o.error for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
