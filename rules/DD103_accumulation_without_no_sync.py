@@ -190,21 +190,12 @@ class AccumulationWithoutNoSync(Rule):
 
 
 def _controls_sync(module: cst.Module) -> bool:
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            nonlocal found
-            if node.attr.value in SYNC_CONTROL:
-                found = True
-
-        def visit_Name(self, node: cst.Name) -> None:
-            nonlocal found
-            if "no_sync" in node.value:
-                found = True
-
-    module.visit(Finder())
-    return found
+    for node in flow.walk(module):
+        if isinstance(node, cst.Attribute) and node.attr.value in SYNC_CONTROL:
+            return True
+        if isinstance(node, cst.Name) and "no_sync" in node.value:
+            return True
+    return False
 
 
 def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
@@ -250,18 +241,13 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
 
 def _is_periodic(test: cst.BaseExpression) -> bool:
     """`(i + 1) % accum == 0`, `not step % k`, `... or last_batch`: a test true every k iterations."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
-            nonlocal found
-            if isinstance(node.operator, cst.Modulo) and not isinstance(node.left, (cst.SimpleString, cst.FormattedString)):
-                found = True
-
-        def visit_Name(self, node: cst.Name) -> None:
-            nonlocal found
-            if "accum" in node.value.lower():
-                found = True
-
-    test.visit(Finder())
-    return found
+    for node in flow.walk(test):
+        if (
+            isinstance(node, cst.BinaryOperation)
+            and isinstance(node.operator, cst.Modulo)
+            and not isinstance(node.left, (cst.SimpleString, cst.FormattedString))
+        ):
+            return True
+        if isinstance(node, cst.Name) and "accum" in node.value.lower():
+            return True
+    return False

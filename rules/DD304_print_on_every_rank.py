@@ -206,25 +206,15 @@ def _output_kind(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> 
 
 
 def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            nonlocal found
-            if found:
-                return False
+    for arg in call.args:
+        for node in flow.walk(arg.value):
             if isinstance(node, (cst.Name, cst.Attribute, cst.Call)):
                 value = trace.value(node, step)
                 if value is not None and value.is_rank_like:
-                    found = True
-                    return False
+                    return True
                 if isinstance(node, cst.Name) and "rank" in node.value.lower():
-                    found = True
-            return True
-
-    for arg in call.args:
-        arg.value.visit(Finder())
-    return found
+                    return True
+    return False
 
 
 def _logging_rank_aware(ctx: LintContext) -> bool:
