@@ -481,6 +481,15 @@ def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) ->
                 found = True
             return True
 
+        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
+            # `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet): a local rank.
+            nonlocal found
+            value = flow.Evaluator(ctx.info, step.env, step.frame, {}).eval(node)
+            if value is not None and value.kind == flow.LOCAL_RANK:
+                found = True
+                return False
+            return True
+
     test.visit(Finder())
     return found
 
