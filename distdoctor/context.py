@@ -514,20 +514,13 @@ def _read_names(node: cst.CSTNode) -> set[str]:
     else:
         parts = []
     names: set[str] = set()
-
-    class Collector(cst.CSTVisitor):
-        def visit_Name(self, name: cst.Name) -> None:
-            names.add(name.value)
-
-        def visit_Attribute(self, attribute: cst.Attribute) -> bool:
-            attribute.value.visit(self)
-            return False
-
-        def visit_Lambda(self, lam: cst.Lambda) -> bool:
-            return False
-
     for part in parts:
-        part.visit(Collector())
+        attribute_names: set[int] = set()
+        for node in flow.walk(part, skip=(cst.Lambda,)):
+            if isinstance(node, cst.Attribute):
+                attribute_names.add(id(node.attr))  # `x.attr` reads x, not a name `attr`
+            elif isinstance(node, cst.Name) and id(node) not in attribute_names:
+                names.add(node.value)
     return names
 
 
