@@ -402,6 +402,14 @@ class Evaluator:
                 known, value = _const_value(index.value)
                 if known and isinstance(value, int) and -len(base.items) <= value < len(base.items):
                     return base.items[value]
+        if (base is None or base.kind == UNKNOWN) and len(node.slice) == 1:
+            # A copy of the environment (`env = dict(os.environ)`, `env_dict["RANK"]` in
+            # pytorch/examples ddp): launcher variable names mean the same thing there.
+            index = node.slice[0].slice
+            if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+                key = str(index.value.evaluated_value)
+                if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                    return env_value(key, node)
         return None
 
     # calls -----------------------------------------------------------------------------------
