@@ -9,6 +9,7 @@ per file; the rules judge what the index is (a global rank, a local rank, an arg
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -88,7 +89,7 @@ def _cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpr
     class Finder(cst.CSTVisitor):
         def visit_FormattedString(self, string: cst.FormattedString) -> None:
             parts = string.parts
-            for before, after in zip(parts, parts[1:]):
+            for before, after in itertools.pairwise(parts):
                 if (
                     isinstance(before, cst.FormattedStringText)
                     and before.value.endswith("cuda:")
@@ -194,11 +195,7 @@ class _ExplicitDeviceFinder(cst.CSTVisitor):
     def visit_Call(self, call: cst.Call) -> None:
         qual = self.ctx.qualname(call.func) or ""
         last = (dotted(call.func) or "").rsplit(".", 1)[-1]
-        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device":
-            self.found = True
-        elif qual == INIT_PROCESS_GROUP and flow.keyword(call, "device_id") is not None:
-            self.found = True
-        elif qual == DDP and flow.keyword(call, "device_ids") is not None:
+        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device" or qual == INIT_PROCESS_GROUP and flow.keyword(call, "device_id") is not None or qual == DDP and flow.keyword(call, "device_ids") is not None:
             self.found = True
         elif qual == TORCH_DEVICE:
             kind = flow.argument(call, 0, "type")
@@ -208,9 +205,7 @@ class _ExplicitDeviceFinder(cst.CSTVisitor):
                 self.found = True  # torch.device(some_variable): may well be "cuda:N"
         elif qual == "" and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("cuda", "to"):
             arg = flow.argument(call, 0, "device")
-            if call.func.attr.value == "cuda" and arg is not None:
-                self.found = True
-            elif arg is not None and _string_value(arg) not in (None, "cuda", "cpu"):
+            if call.func.attr.value == "cuda" and arg is not None or arg is not None and _string_value(arg) not in (None, "cuda", "cpu"):
                 self.found = True
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:

@@ -8,7 +8,11 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor.context import LintContext
-from distdoctor.devices import INIT_PROCESS_GROUP, current_device_uses, selects_device_explicitly
+from distdoctor.devices import (
+    INIT_PROCESS_GROUP,
+    current_device_uses,
+    selects_device_explicitly,
+)
 from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
 
@@ -182,7 +186,7 @@ class MissingSetDevice(Rule):
         ]
         if not uses:
             return
-        line, call = min(uses, key=lambda item: item[0])
+        _, call = min(uses, key=lambda item: item[0])
         helper = "hvd.local_rank()" if ctx.uses_horovod else 'int(os.environ["LOCAL_RANK"])'
         yield Report(
             call,

@@ -190,10 +190,13 @@ def _local_rank_flags(module: cst.Module) -> list[cst.Call]:
             if not (isinstance(func, cst.Attribute) and func.attr.value == "add_argument"):
                 return
             for arg in node.args:
-                if arg.keyword is None and isinstance(arg.value, cst.SimpleString):
-                    if arg.value.evaluated_value in FLAGS:
-                        found.append(node)
-                        return
+                if (
+                    arg.keyword is None
+                    and isinstance(arg.value, cst.SimpleString)
+                    and arg.value.evaluated_value in FLAGS
+                ):
+                    found.append(node)
+                    return
 
     module.visit(Finder())
     return found

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import libcst as cst
 
 from distdoctor import flow
 from distdoctor.context import LintContext
-from distdoctor.flow import Step, Trace, Value
+from distdoctor.flow import Step, Trace
+from distdoctor.loaders import bound_expression, loader_loops, says_eval
 from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
 
@@ -21,9 +22,6 @@ FRAMEWORKS = (
     "accelerate", "lightning", "pytorch_lightning", "deepspeed", "colossalai", "composer", "ignite",
     "ray", "fabric", "mmengine", "mmcv", "detectron2",
 )
-EVAL_WORDS = frozenset({"val", "valid", "validation", "eval", "evaluation", "test", "testing", "dev", "holdout", "calib", "calibration"})
-# Calls whose result is consumed like the loader they wrap.
-WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "zip", "islice", "cycle", "next", "trange", "track"})
 # Words in a dataset's construction that say it is iterable, streamed or sharded already.
 SHARDED_HINT = re.compile(
     r"iterable|iterdatapipe|datapipe|webdataset|\bwds\b|wds\.|stream|shard|split_dataset_by_node|by_node|by_rank|partition",
@@ -249,7 +247,10 @@ class MissingDistributedSampler(Rule):
             return
         iterable_classes = _iterable_classes(ctx)
         reported: set[int] = set()
-        for trace, step, iterated, loader in _training_loaders(ctx):
+        for loop in loader_loops(ctx):
+            if not loop.trains:
+                continue
+            trace, step, iterated, loader = loop.trace, loop.step, loop.iterated, loop.loader
             call = loader.node
             if not isinstance(call, cst.Call) or id(call) in reported:
                 continue
@@ -257,7 +258,7 @@ class MissingDistributedSampler(Rule):
                 continue
             if flow.argument(call, 3, "sampler") is not None or flow.argument(call, 4, "batch_sampler") is not None:
                 continue
-            if _says_eval(loader.name) or _says_eval(dotted(iterated) or ""):
+            if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
                 continue
             dataset = flow.argument(call, 0, "dataset")
             if dataset is None or _sharded_or_iterable(ctx, trace, step, dataset, iterable_classes, 0):
@@ -275,86 +276,6 @@ class MissingDistributedSampler(Rule):
 
 def _trains_distributed(ctx: LintContext) -> bool:
     return any(True for _ in ctx.calls(DDP, HVD_OPTIMIZER))
-
-
-def _training_loaders(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.BaseExpression, Value]]:
-    """Loaders drawn from inside a loop that calls backward(): `for b in loader`,
-    `for i, b in enumerate(tqdm(loader))`, `it = iter(loader)` ... `next(it)`."""
-    for trace in ctx.traces:
-        backward_loops = _loops_with_backward(trace)
-        if not backward_loops:
-            continue
-        for step in trace.steps:
-            if isinstance(step.node, cst.For) and id(step.node) in backward_loops:
-                for iterated in _drawn_from(step.node.iter):
-                    loader = _loader_value(ctx, trace, step, iterated, 0)
-                    if loader is not None:
-                        yield trace, step, iterated, loader
-            elif any(id(loop) in backward_loops for loop in step.loops):
-                for call in flow.own_calls(step.node):
-                    if isinstance(call.func, cst.Name) and call.func.value == "next" and call.args:
-                        for iterated in _drawn_from(call.args[0].value):
-                            loader = _loader_value(ctx, trace, step, iterated, 0)
-                            if loader is not None:
-                                yield trace, step, iterated, loader
-
-
-def _loops_with_backward(trace: Trace) -> set[int]:
-    loops: set[int] = set()
-    for step, call in trace.calls():
-        func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "backward":
-            loops.update(id(loop) for loop in step.loops)
-    return loops
-
-
-def _drawn_from(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
-    """The expressions a loop draws batches from, looking through enumerate/tqdm/zip/iter."""
-    if isinstance(expr, cst.Call):
-        name = (dotted(expr.func) or "").rsplit(".", 1)[-1]
-        if name in WRAPPERS:
-            for arg in expr.args:
-                if arg.keyword is None:
-                    yield from _drawn_from(arg.value)
-                    if name != "zip":
-                        return
-            return
-        # `metric_logger.log_every(loader, 10)`, `prefetcher(loader)`: a wrapper of unknown
-        # kind most likely yields the batches of the loader it is handed first.
-        positional = [arg.value for arg in expr.args if arg.keyword is None and not arg.star]
-        if positional:
-            yield from _drawn_from(positional[0])
-    yield expr
-
-
-def _loader_value(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int) -> Value | None:
-    value = trace.value(expr, step)
-    if value is not None and value.kind == flow.LOADER:
-        return value
-    # `it = iter(loader)`: the flow does not model iterators; follow the binding.
-    if depth < MAX_DEPTH and value is not None and value.kind == flow.UNKNOWN:
-        bound = _bound_expression(value)
-        if bound is not None:
-            for inner in _drawn_from(bound):
-                if inner is not bound or depth == 0:
-                    found = _loader_value(ctx, trace, step, inner, depth + 1)
-                    if found is not None:
-                        return found
-    return None
-
-
-def _bound_expression(value: Value) -> cst.BaseExpression | None:
-    node = value.node
-    if isinstance(node, (cst.Assign, cst.AnnAssign)) and node.value is not None:
-        return node.value
-    return None
-
-
-def _says_eval(name: str) -> bool:
-    words = {w for w in re.split(r"[^a-z0-9]+|_", name.lower()) if w}
-    words |= {w[: -len("loader")] for w in words if w.endswith("loader")}
-    words |= {w[: -len("set")] for w in words if w.endswith("set")}
-    return bool(words & EVAL_WORDS)
 
 
 def _iterable_classes(ctx: LintContext) -> set[str]:
@@ -399,7 +320,7 @@ def _sharded_or_iterable(
                 return _mentions_sharding(ctx, trace, step, value.node, iterable_classes, depth)
             return False
         if value.kind == flow.UNKNOWN:
-            bound = _bound_expression(value)
+            bound = bound_expression(value)
             if bound is not None:
                 return _mentions_sharding(ctx, trace, step, bound, iterable_classes, depth)
     if isinstance(expr, cst.Name) and value is None:
