@@ -592,10 +592,11 @@ def _modulo_period(trace: Trace, step: Step, test: cst.BaseExpression) -> int | 
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
         modulo = test.expression
     elif isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal):
+        # `(i + 1) % k == 0`, `i % k == k - 1`: once every k iterations, whatever the remainder.
         left, right = test.left, test.comparisons[0].comparator
-        if _static_int(trace, step, left) == 0:
+        if _static_int(trace, step, left) is not None:
             left, right = right, left
-        if _static_int(trace, step, right) == 0:
+        if _static_int(trace, step, right) is not None:
             modulo = left
     if not (isinstance(modulo, cst.BinaryOperation) and isinstance(modulo.operator, cst.Modulo)):
         return None
