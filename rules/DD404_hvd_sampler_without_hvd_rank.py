@@ -16,12 +16,15 @@ class HorovodSamplerWithoutHorovodRank(Rule):
     """
     ## What it does
     Flags `DistributedSampler(dataset)` in a Horovod script, when `num_replicas` or `rank` is not
-    passed and the script never initialises a `torch.distributed` process group.
+    passed, or is read from `torch.distributed` (`dist.get_world_size()`, `dist.get_rank()`), and
+    the script never initialises a `torch.distributed` process group. Also flags a sampler sharded
+    by `hvd.local_size()` / `hvd.local_rank()`, which repeats the same shards on every node.
 
     ## Why is this bad?
     Without `num_replicas` and `rank`, `DistributedSampler` asks `torch.distributed` for them, and
     raises `RuntimeError: Default process group has not been initialized` when, as under Horovod,
-    no process group exists. Horovod's examples pass both:
+    no process group exists. The local rank and local size describe one node only: with them,
+    node 2 reads exactly the samples node 1 reads. Horovod's examples pass both:
     `DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank())`.
 
     A script that also calls `init_process_group` (or a helper named like `init_distributed_mode`)
@@ -85,6 +88,30 @@ class HorovodSamplerWithoutHorovodRank(Rule):
                     self.sampler = tud.DistributedSampler(ds, num_replicas=horovod.torch.size())  # expect: DD404
             """
         ),
+        Example(
+            """
+            import torch.distributed as dist
+            import horovod.torch as hvd
+            from torch.utils.data import DistributedSampler
+
+            hvd.init()
+            sampler = DistributedSampler(
+                train_set,
+                num_replicas=dist.get_world_size(),  # expect: DD404
+                rank=dist.get_rank(),
+            )
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DistributedSampler
+
+            hvd.init()
+            local = hvd.local_rank()
+            sampler = DistributedSampler(train_set, num_replicas=hvd.local_size(), rank=local)  # expect: DD404
+            """
+        ),
     )
     valid = (
         Example(
@@ -143,20 +170,37 @@ class HorovodSamplerWithoutHorovodRank(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.uses_horovod or ctx.process_group_initialised:
             return
-        for _, _, call in ctx.calls(SAMPLER):
+        wanted = {"num_replicas": "num_replicas=hvd.size()", "rank": "rank=hvd.rank()"}
+        for trace, step, call in ctx.calls(SAMPLER):
             if any(arg.star for arg in call.args):
                 continue  # `**kwargs` may carry them
-            missing = [
-                name
-                for position, name in ((1, "num_replicas"), (2, "rank"))
-                if flow.argument(call, position, name) is None
-            ]
-            if not missing:
+            given = {name: flow.argument(call, position, name) for position, name in ((1, "num_replicas"), (2, "rank"))}
+            missing = [name for name, expr in given.items() if expr is None]
+            if missing:
+                yield Report(
+                    call,
+                    f"DistributedSampler without {' and '.join(missing)} reads them from torch.distributed, "
+                    f"which this Horovod script never initialises (RuntimeError at construction). Pass "
+                    f"{', '.join(wanted[name] for name in missing)}.",
+                )
                 continue
-            wanted = {"num_replicas": "num_replicas=hvd.size()", "rank": "rank=hvd.rank()"}
-            yield Report(
-                call,
-                f"DistributedSampler without {' and '.join(missing)} reads them from torch.distributed, "
-                f"which this Horovod script never initialises (RuntimeError at construction). Pass "
-                f"{', '.join(wanted[name] for name in missing)}.",
-            )
+            values = {name: trace.value(expr, step) for name, expr in given.items()}
+            from_torch = [name for name, value in values.items() if value is not None and value.origin == "dist"]
+            per_node = [
+                name
+                for name, value in values.items()
+                if value is not None and value.origin == "hvd" and value.kind in (flow.LOCAL_RANK, flow.LOCAL_SIZE)
+            ]
+            if from_torch:
+                yield Report(
+                    given[from_torch[0]],
+                    f"{' and '.join(from_torch)} come{'s' if len(from_torch) == 1 else ''} from torch.distributed, "
+                    f"which this Horovod script never initialises (RuntimeError). Pass "
+                    f"{', '.join(wanted[name] for name in from_torch)}.",
+                )
+            elif per_node:
+                yield Report(
+                    given[per_node[0]],
+                    "the sampler is sharded by the local rank and local size: on several nodes, every node "
+                    "trains on the same shards. Pass num_replicas=hvd.size(), rank=hvd.rank().",
+                )
