@@ -99,7 +99,9 @@ def build_report(spec: LaunchSpec, checks: Sequence[str], result: LaunchResult, 
     world_size = spec.nproc * spec.nnodes
     evidence = _evidence_by_check(out_dir, world_size)
     progress = {r: p for r in range(world_size) if (p := _read_json(progress_file(out_dir, r))) is not None}
-    failure = None if result.ok else diagnose(result, progress)
+    finished = (evidence and len(progress) == spec.nproc and all(p.get("check") == "done" for p in progress.values()))
+    # A rank that fails after "done" (a crash in interpreter teardown) changed no result.
+    failure = None if result.ok or (finished and not result.timed_out and not result.interrupted) else diagnose(result, progress)
     # Launch facts travel in the details of the check that carries the failure, so the JSON keeps
     # exactly the keys of spec/probe.md.
     launch_facts = {"returncode": result.returncode, "timed_out": result.timed_out,

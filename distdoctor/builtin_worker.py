@@ -12,6 +12,7 @@ import datetime
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -75,3 +76,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13 with gloo sometimes aborts in C++ teardown at interpreter exit ("terminate called
+    # without an active exception", SIGABRT) after destroy_process_group has returned. Every result
+    # is on disk by now, so leave without running those destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from _probe_helpers import free_port, new_marker, run_cli, wait_for_no_processes
-from distdoctor.builtin import diagnose, run_builtin
-from distdoctor.builtin_protocol import CHECK_IDS
+from distdoctor.builtin import build_report, diagnose, run_builtin
+from distdoctor.builtin_protocol import CHECK_IDS, GATHERED_FILE, progress_file
 from distdoctor.launch import COLLECTIVE_TIMEOUT_ENV, LaunchResult, LaunchSpec
 from distdoctor.probe_report import CheckResult
 
@@ -167,6 +167,20 @@ def test_diagnosis_prefers_the_rank_that_died_over_the_ones_that_lost_it():
                        {0: {"check": "grad-sync", "step": 0}, 1: {"check": "grad-sync", "step": 0}})
     assert failure["rank"] == 1 and failure["summary"] == "rank 1 died in grad-sync at step 0: ValueError: bad shape"
     assert failure["ranks"]["1"]["exit"] == "exit code 1"
+
+
+def test_a_crash_after_every_rank_finished_changes_no_verdict(tmp_path):
+    # gloo can abort a rank in interpreter teardown after the results are written (SIGABRT).
+    evidence = {"sampler": {"epochs": [[0, 1], [1, 0]]}}
+    (tmp_path / GATHERED_FILE).write_text(json.dumps([evidence, {"sampler": {"epochs": [[2, 3], [3, 2]]}}]))
+    for rank in (0, 1):
+        progress_file(tmp_path, rank).write_text(json.dumps({"check": "done", "step": None}))
+    spec = LaunchSpec(nproc=2, backend="gloo")
+    crashed = _result(rank_exitcodes={1: -6})
+    report = build_report(spec, ["sampler"], crashed, tmp_path, 1.0)
+    assert [c.id for c in report.checks] == ["sampler"] and report.checks[0].status != "error"
+    progress_file(tmp_path, 1).write_text(json.dumps({"check": "sampler", "step": None}))
+    assert build_report(spec, ["sampler"], crashed, tmp_path, 1.0).checks[-1].id == "launch"
 
 
 def test_two_nodes_on_one_machine_reach_one_verdict():
