@@ -34,7 +34,10 @@ class MissingSetEpoch(Rule):
     *before* creating the `DataLoader` iterator.
 
     Silent for `shuffle=False` samplers, for loaders whose name says they are for evaluation,
-    and in scripts driven by a framework that calls `set_epoch` itself (Lightning, accelerate).
+    in scripts driven by a framework that calls `set_epoch` itself (Lightning, accelerate), and
+    when the sampler itself is handed to a function of another module, which may call
+    `set_epoch` where distdoctor cannot see it. A loader handed to such a function is still
+    reported: iterating it is what that function is for.
 
     ## Example
     ```python
@@ -193,6 +196,17 @@ class MissingSetEpoch(Rule):
         ),
         Example(
             """
+            from torch.utils.data import DataLoader, DistributedSampler
+            from utils.train_utils import train  # may call sampler.set_epoch: unknown, so silent
+
+            sampler = DistributedSampler(ds, shuffle=True)
+            loader = DataLoader(ds, sampler=sampler)
+            for epoch in range(10):
+                train(model, loader, epoch, sampler=sampler)
+            """
+        ),
+        Example(
+            """
             import lightning as L
             from torch.utils.data import DataLoader, DistributedSampler
 
@@ -236,7 +250,15 @@ class MissingSetEpoch(Rule):
         return False
 
     def _samplers_with_set_epoch(self, ctx: LintContext) -> list[Value]:
+        """Samplers some `set_epoch` reaches, or that are handed to a function of another module
+        (`train(model, loader, epoch, sampler=sampler)`), which may well call it: unknown, so
+        they count as reached."""
         found = []
+        for trace, step, call in _external_calls(ctx):
+            for arg in call.args:
+                value = trace.value(arg.value, step)
+                if value is not None and value.kind == flow.SAMPLER:
+                    found.append(value)
         for trace, step, call in ctx.method_calls("set_epoch"):
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
             if receiver is not None and receiver.kind == flow.LOADER and receiver.inner is not None:
@@ -272,6 +294,13 @@ def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
     while isinstance(expr, cst.Call) and expr.args and dotted(expr.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
         expr = expr.args[0].value
     return expr
+
+
+def _external_calls(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            if _hands_loader_away(ctx, call):
+                yield trace, step, call
 
 
 def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
