@@ -134,6 +134,23 @@ class MissingSetEpoch(Rule):
                 train_one_epoch(model, train_loader, optimizer, epoch)
             """
         ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def main():
+                dist.init_process_group("gloo")
+                sampler = DistributedSampler(ds)
+                loader = DataLoader(ds, sampler=sampler, batch_size=8)
+                epoch = 0
+                while epoch < 100:  # expect: DD201
+                    batches = iter(loader)
+                    for _ in range(len(loader)):
+                        step(next(batches))
+                    epoch += 1
+            """
+        ),
     )
     valid = (
         Example(
@@ -280,6 +297,8 @@ class MissingSetEpoch(Rule):
                 for call in flow.own_calls(step.node):
                     if _hands_loader_away(ctx, call):
                         candidates.extend(arg.value for arg in call.args)
+                    elif dotted(call.func) == "iter" and call.args:
+                        candidates.append(call.args[0].value)  # `it = iter(loader)` each epoch
                 for expr in candidates:
                     value = trace.value(expr, step)
                     sampler, loader = _shuffling_sampler(value)

@@ -89,6 +89,18 @@ class HorovodBroadcastOrder(Rule):
         ),
         Example(
             """
+            import horovod.torch as hvd
+
+            def main(args):
+                model = Net()
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # expect: DD402
+                if args.pretrained:
+                    model = PretrainedNet()
+                model = model.cuda()
+            """
+        ),
+        Example(
+            """
             import torch
             import horovod.torch as hvd
 
@@ -124,6 +136,17 @@ class HorovodBroadcastOrder(Rule):
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+
+            def main():
+                model = Net()
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                model = model.cuda()  # the same model, moved
+                model = torch.compile(model)
             """
         ),
         Example(
@@ -194,6 +217,17 @@ class HorovodBroadcastOrder(Rule):
                             f"hvd.broadcast_optimizer_state(): the optimizer that trains was never "
                             f"broadcast. Broadcast the final optimizer, after line {line}."
                         )
+        if kind == BROADCAST_PARAMS:
+            name = dotted(target)
+            for later_step in later:
+                rhs = later_step.node.value if isinstance(later_step.node, cst.Assign) else None
+                if rhs is not None and name not in _dotted_names(rhs):
+                    line = ctx.position(later_step.node).start.line
+                    return (
+                        f"the model `{name}` is replaced on line {line} after "
+                        f"hvd.broadcast_parameters(): the model that trains was never broadcast. "
+                        f"Broadcast after line {line}."
+                    )
         restore = self._rank_zero_restore_after(ctx, trace, step, target)
         if restore is not None:
             line = ctx.position(restore).start.line
@@ -234,6 +268,10 @@ def _broadcast_object(arg: cst.BaseExpression, kind: str) -> cst.BaseExpression 
             receiver = receiver.value
         return receiver if dotted(receiver) is not None else None
     return None
+
+
+def _dotted_names(node: cst.CSTNode) -> set[str]:
+    return {text for sub in flow.walk(node) if (text := dotted(sub)) is not None}
 
 
 def _later_bindings(trace: Trace, step: Step, target: cst.BaseExpression) -> list[Step]:
