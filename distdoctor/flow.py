@@ -380,7 +380,7 @@ class Evaluator:
             return Value(LOCAL_RANK, node, origin="modulo")
         if isinstance(node.operator, (cst.Add, cst.Multiply)):
             kinds = {v.kind for v in (left, right) if v is not None}
-            if RANK in kinds or (LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _mentions_node_rank(node)):
+            if RANK in kinds or (LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _node_offset(node, left, right)):
                 return Value(RANK, node, origin="arith")
         if isinstance(node.operator, (cst.Multiply, cst.Divide, cst.FloorDivide)):
             kinds = {v.kind for v in (left, right) if v is not None}
@@ -519,6 +519,15 @@ class Evaluator:
         body = self.eval(node.body)
         orelse = self.eval(node.orelse)
         return body if body is not None and body.kind != CONST else orelse
+
+
+def _node_offset(node: cst.BinaryOperation, left: Value | None, right: Value | None) -> bool:
+    """`node_rank * gpus + local_rank`, `args.nr * args.gpus + gpu`: a local rank plus a product
+    (or anything naming the node) is a global rank."""
+    other = node.right if left is not None and left.kind == LOCAL_RANK else node.left
+    return _mentions_node_rank(node) or (
+        isinstance(other, cst.BinaryOperation) and isinstance(other.operator, cst.Multiply)
+    )
 
 
 def _mentions_node_rank(node: cst.CSTNode) -> bool:
