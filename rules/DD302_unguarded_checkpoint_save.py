@@ -53,19 +53,12 @@ def per_rank_path(trace: Trace, step: Step, path: cst.BaseExpression | None) -> 
     """`f"ckpt_rank{rank}.pt"`: each rank writes its own file on purpose."""
     if path is None:
         return False
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            nonlocal found
-            if isinstance(node, cst.BaseExpression) and not found:
-                value = trace.value(node, step)
-                if value is not None and value.is_rank_like:
-                    found = True
-            return not found
-
-    path.visit(Finder())
-    return found
+    for node in flow.walk(path):
+        if isinstance(node, cst.BaseExpression):
+            value = trace.value(node, step)
+            if value is not None and value.is_rank_like:
+                return True
+    return False
 
 
 class UnguardedCheckpointSave(Rule):
@@ -248,6 +241,33 @@ class UnguardedCheckpointSave(Rule):
                 torch.save(state, path)  # nothing here calls it: the callers are elsewhere
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Runner:
+                def __init__(self, net, device_index):
+                    self.device_index = device_index  # the spawn index, kept on the instance
+                    self.net = DistributedDataParallel(net.cuda(device_index), device_ids=[device_index])
+
+                def run(self, epochs):
+                    for epoch in range(epochs):
+                        self.one_epoch()
+                        if self.device_index == 0:
+                            torch.save(self.net.module.state_dict(), "weights.pt")
+
+            def worker(index, nprocs):
+                dist.init_process_group("nccl", rank=index, world_size=nprocs)
+                Runner(Model(), index).run(20)
+
+            if __name__ == "__main__":
+                n = torch.cuda.device_count()
+                mp.spawn(worker, args=(n,), nprocs=n)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -283,19 +303,15 @@ class UnguardedCheckpointSave(Rule):
 
 
 def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
-    """`if gpu == 0` in an `mp.spawn` worker: the index is the rank of a one-node job, the usual
-    case for spawn scripts, so the guard counts as a rank-0 guard."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            nonlocal found
+    """`if gpu == 0` / `if self.gpu_id == 0` / `if args.gpu == 0` in an `mp.spawn` worker: the
+    index is the rank of a one-node job, the usual case for spawn scripts, so the guard counts as
+    a rank-0 guard. The index may sit in a name or in an attribute it was stored in."""
+    for node in flow.walk(test):
+        if isinstance(node, (cst.Name, cst.Attribute)):
             value = trace.value(node, step)
             if value is not None and value.kind == flow.LOCAL_RANK and value.origin == "spawn":
-                found = True
-
-    test.visit(Finder())
-    return found
+                return True
+    return False
 
 
 def _multi_process(ctx: LintContext) -> bool:
