@@ -127,6 +127,9 @@ class Step:
     guards: tuple[Guard, ...]
     env: Mapping[Any, Value]
     block: tuple[cst.CSTNode, int] | None  # (the block's owner, index in its body): for fixes
+    # What the calls of this statement to functions of the module returned (id(call) -> Value):
+    # `lr=scaled_lr(base)` evaluates through the helper's return.
+    results: Mapping[int, Value | None] = field(default_factory=dict)
 
     def in_loop(self, loop: cst.CSTNode) -> bool:
         return any(enclosing is loop for enclosing in self.loops)
@@ -144,7 +147,7 @@ class Trace:
         """The abstract value of `expr` evaluated just before `step`."""
         if expr is None:
             return None
-        return Evaluator(self.ctx, step.env, step.frame, {}).eval(expr)
+        return Evaluator(self.ctx, step.env, step.frame, step.results).eval(expr)
 
     def calls(self) -> Iterator[tuple[Step, cst.Call]]:
         """Every call made by a step's own statement (not by inlined callees), in order."""
@@ -760,7 +763,7 @@ class _Builder:
 
     def run_small(self, small, line, frame, loops, guards, block) -> None:
         results = self.inline_calls(small, frame, loops, guards)
-        self.emit(small, line, frame, loops, guards, block)
+        self.emit(small, line, frame, loops, guards, block, results)
         if isinstance(small, cst.Assign):
             value = self.evaluate(small.value, frame, results)
             for target in small.targets:
@@ -776,8 +779,8 @@ class _Builder:
         elif isinstance(small, cst.Return):
             frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
 
-    def emit(self, node, line, frame, loops, guards, block) -> None:
-        self.steps.append(Step(len(self.steps), node, line, frame, loops, guards, self.env, block))
+    def emit(self, node, line, frame, loops, guards, block, results=None) -> None:
+        self.steps.append(Step(len(self.steps), node, line, frame, loops, guards, self.env, block, results or {}))
 
     def evaluate(self, expr, frame, results) -> Value | None:
         return Evaluator(self.ctx, self.env, frame, results).eval(expr)
