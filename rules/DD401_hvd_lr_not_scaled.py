@@ -129,6 +129,21 @@ class HorovodLrNotScaled(Rule):
         ),
         Example(
             """
+            from horovod import torch as hv
+            import torch
+
+            def scaled_lr(base_lr):
+                return base_lr * hv.size()
+
+            def run():
+                opt = torch.optim.Adam(model.parameters(), lr=scaled_lr(1e-3))
+                opt = hv.DistributedOptimizer(opt)
+
+            run()
+            """
+        ),
+        Example(
+            """
             import torch
 
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no Horovod: not this rule's business
