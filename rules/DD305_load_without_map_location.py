@@ -10,9 +10,13 @@ import libcst as cst
 from distdoctor import flow
 from distdoctor.context import LintContext
 from distdoctor.finding import Edit, Fix
+from distdoctor.flow import Step, Trace
 from distdoctor.rule import Example, Report, Rule
 
 LOAD = "torch.load"
+SAVE = "torch.save"
+# Tensor methods that keep a CPU tensor on the CPU.
+CPU_KEEPING = frozenset({"detach", "clone", "contiguous", "float", "half", "double", "long", "int", "bfloat16"})
 GPU_WORDS = re.compile(r"\bcuda\b|\.cuda\(|nccl|device_ids|set_device")
 
 
@@ -21,6 +25,17 @@ class LoadWithoutMapLocation(Rule):
     ## What it does
     Flags `torch.load(...)` without `map_location` (keyword, or the second positional argument)
     in a distributed script that trains on GPUs.
+
+    It stays silent where no rank can pile onto another's GPU:
+    - the load runs under a rank-0 (or local-rank-0) condition only, here or at the call site of
+      the helper that loads ("restore on the first worker, then broadcast", as in Horovod's
+      ImageNet example): one process reads the file onto the GPU it owns;
+    - the other branch of the same `if` loads with `map_location` (`if args.gpu is None:
+      torch.load(f)` / `else: torch.load(f, map_location=f"cuda:{args.gpu}")`): the script maps
+      where it runs one process per GPU, and the unmapped branch is its one-process-per-node or
+      single-process path, where restoring onto the saved devices is intended;
+    - the file is one the script itself writes from the CPU (`torch.save(feats.cpu(),
+      os.path.join(d, "feats.pth"))`, matched by the file name): CPU tensors load onto the CPU.
 
     ## Why is this bad?
     Without `map_location`, `torch.load` puts every tensor back on the device it was saved from,
@@ -110,10 +125,10 @@ class LoadWithoutMapLocation(Rule):
 
             hvd.init()
             torch.cuda.set_device(hvd.local_rank())
-            if hvd.rank() == 0:
-                model.load_state_dict(torch_load(  # expect: DD305
-                    "pretrained.pt",
-                ))
+            model = Net().cuda()
+            model.load_state_dict(torch_load(  # expect: DD305
+                "pretrained.pt",
+            ))
             """,
             fixed="""
             import horovod.torch as hvd
@@ -121,10 +136,46 @@ class LoadWithoutMapLocation(Rule):
 
             hvd.init()
             torch.cuda.set_device(hvd.local_rank())
-            if hvd.rank() == 0:
-                model.load_state_dict(torch_load(  # expect: DD305
-                    "pretrained.pt", map_location="cpu",
-                ))
+            model = Net().cuda()
+            model.load_state_dict(torch_load(  # expect: DD305
+                "pretrained.pt", map_location="cpu",
+            ))
+            """,
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            if dist.get_rank() != 0:
+                teacher = torch.load("teacher.pt")  # expect: DD305
+            if use_ema:
+                ema = torch.load("ema.pt")  # expect: DD305
+            else:
+                ema = torch.load("init.pt")  # expect: DD305
+            feats = torch.load(os.path.join(cache, "feats.pt"))  # expect: DD305
+            torch.save(feats, os.path.join(cache, "feats.pt"))  # saved from the GPU: no help
+            """,
+            fixed="""
+            import os
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            if dist.get_rank() != 0:
+                teacher = torch.load("teacher.pt", map_location="cpu")  # expect: DD305
+            if use_ema:
+                ema = torch.load("ema.pt", map_location="cpu")  # expect: DD305
+            else:
+                ema = torch.load("init.pt", map_location="cpu")  # expect: DD305
+            feats = torch.load(os.path.join(cache, "feats.pt"), map_location="cpu")  # expect: DD305
+            torch.save(feats, os.path.join(cache, "feats.pt"))  # saved from the GPU: no help
             """,
         ),
     )
@@ -166,16 +217,80 @@ class LoadWithoutMapLocation(Rule):
             state = torch.load(path, **load_kwargs)  # map_location may be in there
             """
         ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            def restore(net, opt, path):
+                blob = torch.load(path)  # only the first worker reads the file
+                net.load_state_dict(blob["net"])
+                opt.load_state_dict(blob["opt"])
+
+            hvd.init()
+            torch.cuda.set_device(hvd.local_rank())
+            net = Net().cuda()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1 * hvd.size()))
+            if start_epoch > 0 and hvd.rank() == 0:
+                restore(net, opt, f"ckpt-{start_epoch}.pt")
+            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            def worker(device_index, cfg):
+                dist.init_process_group("nccl", rank=cfg.rank, world_size=cfg.world_size)
+                if cfg.resume:
+                    if device_index is None:  # one process drives every GPU of the node
+                        snap = torch.load(cfg.resume)
+                    else:
+                        snap = torch.load(cfg.resume, map_location=f"cuda:{device_index}")
+                    model.load_state_dict(snap["model"])
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def embed_all(encoder, loader, out_dir):
+                feats = torch.cat([encoder(x.cuda()) for x, _ in loader])
+                if dist.get_rank() == 0:
+                    torch.save(feats.detach().cpu(), os.path.join(out_dir, "embeddings.pt"))
+                return feats
+
+            dist.init_process_group("nccl")
+            if cache_dir:
+                feats = torch.load(os.path.join(cache_dir, "embeddings.pt"))  # written from the CPU above
+            else:
+                feats = embed_all(encoder, loader, out_dir)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.is_distributed or not GPU_WORDS.search(ctx.source):
             return
-        for _trace, _step, call in ctx.calls(LOAD):
-            if flow.argument(call, 1, "map_location") is not None:
+        cpu_files: set[str] | None = None
+        reported: set[int] = set()
+        for trace, step, call in ctx.calls(LOAD):
+            if id(call) in reported or flow.argument(call, 1, "map_location") is not None:
                 continue
             if not call.args or any(arg.star for arg in call.args):
                 continue
+            if _rank_zero_only(ctx, trace, step) or _other_branch_maps(ctx, call):
+                continue
+            if cpu_files is None:
+                cpu_files = _files_saved_on_cpu(ctx)
+            name = _file_name(flow.argument(call, 0, "f"))
+            if name is not None and name in cpu_files:
+                continue
+            reported.add(id(call))
             last = call.args[-1]
             end = ctx.position(last.value).end
             fix = Fix(
@@ -188,3 +303,73 @@ class LoadWithoutMapLocation(Rule):
                 "cuda:0) on every rank: pass `map_location=\"cpu\"` (or this rank's device).",
                 fix=fix,
             )
+
+
+def _rank_zero_only(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """The load runs on (local) rank 0 only: one process reads the file, onto the GPU it owns
+    (restore on rank 0, then broadcast), so nothing piles onto another rank's GPU."""
+    guards = ctx.rank_guards(trace, step)
+    return bool(guards) and all(guard.zero for guard in guards)
+
+
+def _other_branch_maps(ctx: LintContext, call: cst.Call) -> bool:
+    """`if args.gpu is None: ckpt = torch.load(f)` / `else: ckpt = torch.load(f, map_location=loc)`:
+    the script maps where it runs one process per GPU; the unmapped branch is its
+    one-process-per-node (or single-process) path, where restoring to the saved devices is meant."""
+    child: cst.CSTNode = call
+    node = ctx.parent(call)
+    while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
+        if isinstance(node, cst.If) and node.orelse is not None:
+            other = node.orelse if child is node.body else node.body if child is node.orelse else None
+            if other is not None:
+                return any(_maps(ctx, load) for load in flow.walk(other) if isinstance(load, cst.Call))
+        child, node = node, ctx.parent(node)
+    return False
+
+
+def _maps(ctx: LintContext, call: cst.Call) -> bool:
+    return ctx.qualname(call.func) == LOAD and flow.argument(call, 1, "map_location") is not None
+
+
+def _files_saved_on_cpu(ctx: LintContext) -> set[str]:
+    """File names this script writes with `torch.save(x.cpu(), ...)`: tensors saved from the CPU
+    load back onto the CPU, whatever map_location says (DINO's k-NN feature dumps)."""
+    names: set[str] = set()
+    for call in ctx.nodes(cst.Call):
+        if ctx.qualname(call.func) != SAVE:
+            continue
+        obj = flow.argument(call, 0, "obj")
+        name = _file_name(flow.argument(call, 1, "f"))
+        if obj is not None and name is not None and _on_cpu(obj):
+            names.add(name)
+    return names
+
+
+def _on_cpu(expr: cst.BaseExpression) -> bool:
+    """`x.cpu()`, `x.detach().cpu()`, `x.cpu().clone()`: a tensor moved to the CPU last."""
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        method = expr.func.attr.value
+        if method == "cpu":
+            return True
+        if method not in CPU_KEEPING:
+            return False
+        expr = expr.func.value
+    return False
+
+
+def _file_name(path: cst.BaseExpression | None) -> str | None:
+    """The file name a path expression ends with, when written literally: `"feats.pth"`,
+    `os.path.join(d, "feats.pth")`, `f"{d}/feats.pth"`. None when it is not known."""
+    if path is None:
+        return None
+    last: str | None = None
+    for node in flow.walk(path):
+        if isinstance(node, cst.SimpleString):
+            value = node.evaluated_value
+            last = value if isinstance(value, str) else None
+        elif isinstance(node, cst.FormattedStringText):
+            last = node.value
+    if not last:
+        return None
+    name = last.replace("\\", "/").rsplit("/", 1)[-1]
+    return name if "." in name.strip(".") else None
