@@ -18,7 +18,8 @@ class HorovodLrNotScaled(Rule):
     In a Horovod script, flags the learning rate given to the optimizer that
     `hvd.DistributedOptimizer` wraps when it does not involve `hvd.size()` (or `hvd.local_size()`),
     neither directly nor through a variable or helper, and no later
-    `param_group["lr"] = ...` or scheduler scales it.
+    `param_group["lr"] = ...` or scheduler scales it (a scheduler argument, a `lambda` factor or
+    a factor function of the module that calls `hvd.size()`).
 
     ## Why is this bad?
     `hvd.DistributedOptimizer` averages gradients over all workers, so one step consumes
@@ -84,6 +85,16 @@ class HorovodLrNotScaled(Rule):
             opt = horovod.DistributedOptimizer(opt)
             """
         ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # expect: DD401
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.1 ** (e // 30))
+            optimizer = hvd.DistributedOptimizer(optimizer)
+            """
+        ),
     )
     valid = (
         Example(
@@ -145,6 +156,29 @@ class HorovodLrNotScaled(Rule):
         Example(
             """
             import torch
+            import horovod.torch as hvd
+
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0125)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: hvd.size() * min(1.0, (e + 1) / 5))
+            optimizer = hvd.DistributedOptimizer(optimizer)
+            """
+        ),
+        Example(
+            """
+            from horovod import torch as hv
+            from torch import optim
+
+            def warmup_factor(epoch):
+                return 1.0 + (hv.size() - 1.0) * min(1.0, epoch / 5)
+
+            optimizer = optim.Adam(model.parameters(), lr=1e-3)
+            scheduler = optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=warmup_factor)
+            optimizer = hv.DistributedOptimizer(optimizer)
+            """
+        ),
+        Example(
+            """
+            import torch
 
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no Horovod: not this rule's business
             """
@@ -187,11 +221,29 @@ class HorovodLrNotScaled(Rule):
             for call in flow.own_calls(node):
                 qual = ctx.qualname(call.func) or ""
                 if qual.startswith("torch.optim.lr_scheduler") and any(
-                    ctx.scales_with_world_size(trace, step, arg.value) for arg in call.args
+                    ctx.scales_with_world_size(trace, step, arg.value) or _factor_uses_size(ctx, trace, step, arg.value)
+                    for arg in call.args
                 ):
                     return True
         # Helpers nobody on a trace calls (e.g. adjust_learning_rate passed as a callback).
         return False
+
+
+_SIZE_QUALS = ("horovod.torch.size", "horovod.torch.local_size")
+
+
+def _factor_uses_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+    """A scheduler factor that multiplies by the number of workers: `LambdaLR(opt, lambda e:
+    hvd.size() * warmup(e))`, or `LambdaLR(opt, lr_lambda=factor)` with a `def factor` of this
+    module whose body calls `hvd.size()`/`hvd.local_size()`."""
+    if isinstance(expr, cst.Lambda):
+        return ctx.scales_with_world_size(trace, step, expr.body)
+    if isinstance(expr, cst.Name) and expr.value in ctx.info.functions:
+        body = ctx.info.functions[expr.value]
+        return any(
+            isinstance(node, cst.Call) and ctx.qualname(node.func) in _SIZE_QUALS for node in flow.walk(body)
+        )
+    return False
 
 
 def _is_lr_slot(target: cst.BaseExpression) -> bool:
