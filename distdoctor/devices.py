@@ -180,33 +180,68 @@ def _bound_expression(value: flow.Value | None) -> cst.BaseExpression | None:
 def selects_device_explicitly(ctx) -> bool:
     """Whether the module selects a device per process anywhere, on the code path or not:
     `torch.cuda.set_device`, `torch.cuda.device(...)`, `init_process_group(device_id=...)`,
-    `device_ids=` given to DDP, `CUDA_VISIBLE_DEVICES` set, or an explicit index anywhere
-    (`.to(local_rank)`, `.cuda(gpu)`, `f"cuda:{i}"`, `torch.device("cuda", i)`)."""
-    finder = _ExplicitDeviceFinder(ctx)
+    `CUDA_VISIBLE_DEVICES` set, or an explicit index anywhere (`.to(local_rank)`, `.cuda(gpu)`,
+    `f"cuda:{i}"`, `torch.device("cuda", i)`). `DDP(device_ids=...)` is no selection: it names
+    the device the module must already be on."""
+    current = _CurrentDeviceNames(ctx)
+    ctx.module.visit(current)
+    finder = _ExplicitDeviceFinder(ctx, current.names)
     ctx.module.visit(finder)
     return finder.found
 
 
-class _ExplicitDeviceFinder(cst.CSTVisitor):
+class _CurrentDeviceNames(cst.CSTVisitor):
+    """Names assigned a device without index anywhere: `device = torch.device("cuda")`."""
+
     def __init__(self, ctx) -> None:
         self.ctx = ctx
+        self.names: set[str] = set()
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if _plain_device(self.ctx, node.value):
+            for target in node.targets:
+                text = dotted(target.target)
+                if text is not None:
+                    self.names.add(text)
+
+
+def _plain_device(ctx, expr: cst.BaseExpression) -> bool:
+    if _string_value(expr) in ("cuda", "cpu") or _plain_device_choice(expr):
+        return True
+    if isinstance(expr, cst.Call) and ctx.qualname(expr.func) == TORCH_DEVICE and len(expr.args) == 1:
+        return _plain_device(ctx, expr.args[0].value)
+    return False
+
+
+class _ExplicitDeviceFinder(cst.CSTVisitor):
+    def __init__(self, ctx, plain_names: set[str]) -> None:
+        self.ctx = ctx
+        self.plain_names = plain_names
         self.found = False
 
     def visit_Call(self, call: cst.Call) -> None:
         qual = self.ctx.qualname(call.func) or ""
         last = (dotted(call.func) or "").rsplit(".", 1)[-1]
-        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device" or qual == INIT_PROCESS_GROUP and flow.keyword(call, "device_id") is not None or qual == DDP and flow.keyword(call, "device_ids") is not None:
+        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device":
             self.found = True
+        elif qual == INIT_PROCESS_GROUP:
+            if flow.keyword(call, "device_id") is not None:
+                self.found = True
         elif qual == TORCH_DEVICE:
             kind = flow.argument(call, 0, "type")
-            if flow.argument(call, 1, "index") is not None or (kind is not None and _string_value(kind) not in ("cuda", "cpu", None)):
+            if flow.argument(call, 1, "index") is not None:
                 self.found = True
-            if kind is not None and not _is_string(kind) and not _plain_device_choice(kind):
-                self.found = True  # torch.device(some_variable): may well be "cuda:N"
+            elif kind is not None and not _plain_device(self.ctx, kind) and _string_value(kind) != "cuda":
+                self.found = True  # "cuda:1", or a variable that may well hold "cuda:N"
         elif qual == "" and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("cuda", "to"):
             arg = flow.argument(call, 0, "device")
-            if call.func.attr.value == "cuda" and arg is not None or arg is not None and _string_value(arg) not in (None, "cuda", "cpu"):
-                self.found = True
+            if arg is None or _looks_like_dtype(arg) or _plain_device(self.ctx, arg):
+                return
+            if (dotted(arg) or "") in self.plain_names or _is_literal(arg) and call.func.attr.value == "to":
+                return
+            if isinstance(arg, (cst.SimpleString, cst.ConcatenatedString)) and _string_value(arg) in (None, "cpu"):
+                return
+            self.found = True  # .cuda(gpu), .to(local_rank), .to("cuda:1"), .to(device)
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         if any(isinstance(p, cst.FormattedStringText) and "cuda:" in p.value for p in node.parts):

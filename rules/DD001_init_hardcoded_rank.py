@@ -13,6 +13,7 @@ from distdoctor.rule import Example, Report, Rule
 
 INIT = "torch.distributed.init_process_group"
 DEVICE_COUNT = "torch.cuda.device_count"
+LAUNCHER_WORDS = ('"WORLD_SIZE"', "'WORLD_SIZE'", '"LOCAL_RANK"', "'LOCAL_RANK'", '"RANK"', "'RANK'", "--local_rank", "--local-rank")
 SPAWNERS = (
     "torch.multiprocessing.spawn",
     "torch.multiprocessing.start_processes",
@@ -31,8 +32,10 @@ class InitHardcodedRank(Rule):
     - `rank=<integer literal>` (other than `-1`, which means "read `RANK`") while the world size
       is not the literal `1`;
     - `world_size=torch.cuda.device_count()` (directly or through a variable) in a script started
-      by a launcher that sets `WORLD_SIZE` (torchrun, `env://`): the rank is read from the
-      environment, or left to it, and no `mp.spawn`/`multiprocessing` starts the workers here.
+      by a launcher that sets `WORLD_SIZE` (torchrun, `torch.distributed.launch`): the script
+      initialises with `env://` (explicitly or by default) or reads `RANK`/`LOCAL_RANK`/
+      `WORLD_SIZE` or takes `--local_rank`; the rank is left out or is a rank read there; and no
+      `mp.spawn`/`multiprocessing` starts the workers here.
 
     Silent for `mp.spawn` workers, whose rank is the spawn index and whose world size is the
     number of processes they spawned on this machine, and for single-process groups
@@ -194,7 +197,9 @@ class InitHardcodedRank(Rule):
             if world_expr is None or spawns or not _is_device_count(ctx, trace, step, world_expr):
                 continue
             rank = trace.value(rank_expr, step) if rank_expr is not None else None
-            if rank_expr is not None and not (rank is not None and rank.is_rank_like and rank.origin == "env"):
+            if rank_expr is not None and not (rank is not None and rank.is_rank_like and rank.origin != "spawn"):
+                continue
+            if not _launcher_evidence(ctx, call):
                 continue
             reported.add(id(call))
             yield Report(
@@ -233,6 +238,18 @@ def _is_device_count(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseE
             if bound is not None:
                 return _is_device_count(ctx, trace, step, bound, depth + 1)
     return False
+
+
+def _launcher_evidence(ctx: LintContext, call: cst.Call) -> bool:
+    """Signs that an external launcher (torchrun, torch.distributed.launch) started the script:
+    it reads the variables the launcher sets, takes its `--local_rank` flag, or initialises
+    with `env://` (explicitly, or by default)."""
+    init_method = flow.argument(call, 1, "init_method")
+    if init_method is None and flow.keyword(call, "store") is None:
+        return True
+    if isinstance(init_method, cst.SimpleString) and init_method.evaluated_value == "env://":
+        return True
+    return any(word in ctx.source for word in LAUNCHER_WORDS)
 
 
 def _starts_processes(ctx: LintContext) -> bool:

@@ -29,10 +29,11 @@ class MissingSetDevice(Rule):
     ## What it does
     Flags a distributed GPU script (it calls `init_process_group` or `hvd.init()` itself) that
     never selects a device per process — no `torch.cuda.set_device(...)`, no
-    `init_process_group(device_id=...)`, no `with torch.cuda.device(...)`, no `device_ids=` for
-    DDP, no explicit index such as `.to(local_rank)`, `.cuda(gpu)` or `f"cuda:{local_rank}"` —
-    while it puts work on the *current* device: a bare `.cuda()`, `.to("cuda")`,
-    `.to(torch.device("cuda"))`. The finding points at the first such call.
+    `init_process_group(device_id=...)`, no `with torch.cuda.device(...)`, no explicit index
+    such as `.to(local_rank)`, `.cuda(gpu)` or `f"cuda:{local_rank}"` — while it puts work on
+    the *current* device: a bare `.cuda()`, `.to("cuda")`, `.to(torch.device("cuda"))`. The
+    finding points at the first such call. `DDP(model.cuda(), device_ids=[local_rank])` does not
+    select a device: the model is already on GPU 0, and DDP refuses it on every other rank.
 
     Only calls on the same code path as the initialisation, after it, count. Deliberately
     conservative: silent when the device may be chosen elsewhere — a launch helper
@@ -106,6 +107,19 @@ class MissingSetDevice(Rule):
                     dist.init_process_group("nccl")
                     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                     self.model = DistributedDataParallel(model.to(self.device))  # expect: DD003
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group("nccl", init_method="env://")
+            model = Net().cuda()  # expect: DD003
+            model = DDP(model, device_ids=[local_rank], output_device=local_rank)
             """
         ),
     )

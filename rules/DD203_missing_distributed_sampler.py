@@ -28,7 +28,9 @@ SHARDED_HINT = re.compile(
     re.IGNORECASE,
 )
 MAX_DEPTH = 4
-PATH_KEYWORDS = frozenset({"download", "root", "path", "data_dir", "cache_dir", "transform", "verbose", "log", "logger"})
+PATH_KEYWORDS = frozenset({"download", "cache_dir", "transform", "target_transform", "verbose", "log", "logger"})
+# Library datasets that are map-style whatever arguments they get.
+MAP_STYLE_LIBRARIES = ("torchvision.datasets.", "torchaudio.datasets.", "torchtext.datasets.")
 
 
 class MissingDistributedSampler(Rule):
@@ -256,7 +258,7 @@ class MissingDistributedSampler(Rule):
                 continue
             if ctx.qualname(call.func) != LOADER or any(arg.star for arg in call.args):
                 continue
-            if flow.argument(call, 3, "sampler") is not None or flow.argument(call, 4, "batch_sampler") is not None:
+            if _given(trace, step, flow.argument(call, 3, "sampler")) or _given(trace, step, flow.argument(call, 4, "batch_sampler")):
                 continue
             if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
                 continue
@@ -276,6 +278,14 @@ class MissingDistributedSampler(Rule):
 
 def _trains_distributed(ctx: LintContext) -> bool:
     return any(True for _ in ctx.calls(DDP, HVD_OPTIMIZER))
+
+
+def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:
+    """Whether an argument is passed and is not (known to be) None."""
+    if expr is None or (isinstance(expr, cst.Name) and expr.value == "None"):
+        return False
+    value = trace.value(expr, step)
+    return not (value is not None and value.kind == flow.CONST and value.attrs.get("value") is None)
 
 
 def _iterable_classes(ctx: LintContext) -> set[str]:
@@ -331,6 +341,10 @@ def _sharded_or_iterable(
 def _mentions_sharding(
     ctx: LintContext, trace: Trace, step: Step, expr: cst.CSTNode, iterable_classes: set[str], depth: int
 ) -> bool:
+    if isinstance(expr, cst.Call) and (ctx.qualname(expr.func) or "").startswith(MAP_STYLE_LIBRARIES):
+        # `datasets.MNIST("data-%d" % hvd.rank(), download=...)`: a per-rank download folder of
+        # the same data, not a shard.
+        return False
     text = ctx.code(expr)
     if SHARDED_HINT.search(text):
         return True
@@ -369,16 +383,9 @@ def _names_and_calls(expr: cst.CSTNode) -> list[cst.BaseExpression]:
         def visit_Lambda(self, node: cst.Lambda) -> bool:
             return False
 
-        # `download=rank == 0`, `f"data-{rank}"`, `"data-%d" % hvd.rank()`: the rank picks a
-        # path or a flag there, not a shard.
+        # `download=rank == 0`: the rank picks a flag there, not a shard.
         def visit_Comparison(self, node: cst.Comparison) -> bool:
             return False
-
-        def visit_FormattedString(self, node: cst.FormattedString) -> bool:
-            return False
-
-        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-            return not isinstance(node.left, (cst.SimpleString, cst.ConcatenatedString))
 
         def visit_Arg(self, node: cst.Arg) -> bool:
             return node.keyword is None or node.keyword.value not in PATH_KEYWORDS
