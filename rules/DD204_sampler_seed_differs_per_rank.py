@@ -28,6 +28,7 @@ RANDOM_CALLS = frozenset(
 RANDOM_PREFIXES = ("random.", "numpy.random.", "secrets.")
 # Calls that pass a value through unchanged enough that what feeds them feeds the seed.
 TRANSPARENT = frozenset({"int", "float", "abs", "hash", "str", "round", "max", "min", "sum"})
+TRANSPARENT_METHODS = frozenset({"item", "tolist", "int", "long", "numpy", "cpu"})
 MAX_DEPTH = 4
 
 
@@ -192,6 +193,8 @@ def _varies(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression
         value = trace.value(expr, step)
         if value is not None and value.is_rank_like:
             return f"the rank ({ctx.code(expr)})"
+        if qual is None and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in TRANSPARENT_METHODS:
+            return _varies(ctx, trace, step, expr.func.value, depth + 1)  # torch.randint(...).item()
         if qual is None and isinstance(expr.func, cst.Name) and expr.func.value in TRANSPARENT:
             for arg in expr.args:
                 found = _varies(ctx, trace, step, arg.value, depth + 1)
