@@ -8,10 +8,12 @@ import libcst as cst
 
 from distdoctor import flow
 from distdoctor.context import LintContext
+from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
 
 DDP = "torch.nn.parallel.DistributedDataParallel"
 LOADER = "torch.utils.data.DataLoader"
+GPU_COUNT = "torch.cuda.device_count"
 
 
 class LrNotScaledWithWorldSize(Rule):
@@ -21,6 +23,14 @@ class LrNotScaledWithWorldSize(Rule):
     whose learning rate does not involve the world size (`dist.get_world_size()`, `WORLD_SIZE`,
     directly or through a variable) while no `DataLoader` divides its per-rank batch size by the
     world size and no later `param_groups[...]["lr"] = ...` scales it. Off by default.
+
+    Names are followed to what they were assigned, also through a helper's parameter: a batch
+    size divided by the number of GPUs before the loader (`args.batch_size =
+    int(args.batch_size / ngpus_per_node)`, as in pytorch/examples ImageNet: the global batch
+    stays the command line's), or `group["lr"] = lr_schedule[it]` where the schedule was built
+    from `base_lr * get_world_size()` (DINO's `lr=0` placeholder), count as scaled. A name that
+    counts the workers (`world_size`, `ngpus_per_node`, `nodes`), or `torch.cuda.device_count()`,
+    counts as the world size.
 
     ## Why is this bad?
     Each rank loads `batch_size` samples, so the global batch is `batch_size * world_size` and
@@ -128,6 +138,53 @@ class LrNotScaledWithWorldSize(Rule):
                 group["lr"] = 0.1 * dist.get_world_size()
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def worker(gpu, num_gpus, opts):
+                # the batch on the command line is the node's: each process takes its share
+                opts.batch = opts.batch // num_gpus
+                loader = DataLoader(train_set, batch_size=opts.batch, sampler=DistributedSampler(train_set))
+                net = DistributedDataParallel(Net().cuda(gpu), device_ids=[gpu])
+                opt = torch.optim.SGD(net.parameters(), lr=opts.lr, momentum=0.9)
+
+            if __name__ == "__main__":
+                count = torch.cuda.device_count()
+                mp.spawn(worker, args=(count, parse()), nprocs=count)
+            """
+        ),
+        Example(
+            """
+            import numpy as np
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def one_epoch(net, opt, loader, schedule, epoch):
+                for i, (x, y) in enumerate(loader):
+                    step = epoch * len(loader) + i
+                    for group in opt.param_groups:
+                        group["lr"] = schedule[step]  # the schedule already holds the scaled rate
+                    loss = net(x, y)
+                    loss.backward()
+                    opt.step()
+
+            def main(cfg):
+                net = DDP(Model().cuda(), device_ids=[cfg.local_rank])
+                opt = torch.optim.AdamW(net.parameters(), lr=0.0)  # set every step below
+                peak = cfg.base_lr * cfg.batch_per_gpu * dist.get_world_size() / 256
+                schedule = np.linspace(peak, 0.0, cfg.epochs * len(loader))
+                for epoch in range(cfg.epochs):
+                    one_epoch(net, opt, loader, schedule, epoch)
+
+            if __name__ == "__main__":
+                main(get_cfg())
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -158,21 +215,49 @@ class LrNotScaledWithWorldSize(Rule):
 WORKER_COUNT_WORDS = ("world", "gpus", "gpu_count", "n_gpu", "nproc", "replicas", "num_workers_total", "nodes")
 
 
-def _scaled(ctx: LintContext, trace: flow.Trace, step: flow.Step, expr: cst.BaseExpression) -> bool:
+def _scaled(ctx: LintContext, trace: flow.Trace, step: flow.Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
     """Scaled by the world size, or by a name that counts the workers (`world_size` passed to an
-    `mp.spawn` worker, `ngpus_per_node`)."""
+    `mp.spawn` worker, `ngpus_per_node`), directly or through what the names in `expr` were
+    assigned (`args.batch_size = int(args.batch_size / ngpus_per_node)` before the loader,
+    `lr_schedule = cosine_scheduler(base * get_world_size(), ...)` before `group["lr"] =
+    lr_schedule[it]`, also through a helper's parameter)."""
     if ctx.scales_with_world_size(trace, step, expr):
         return True
-    found = False
+    for node in flow.walk(expr):
+        if isinstance(node, cst.Name) and any(word in node.value.lower() for word in WORKER_COUNT_WORDS):
+            return True
+        if isinstance(node, cst.Call) and ctx.qualname(node.func) == GPU_COUNT:
+            return True
+    if depth >= MAX_FOLLOW:
+        return False
+    for name in _dotted_names(expr):
+        found = ctx.binding(trace, step, name)
+        if found is not None and found[1] is not expr and _scaled(ctx, trace, found[0], found[1], depth + 1):
+            return True
+    return False
 
-    class Finder(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            nonlocal found
-            if any(word in node.value.lower() for word in WORKER_COUNT_WORDS):
-                found = True
 
-    expr.visit(Finder())
-    return found
+MAX_FOLLOW = 4
+
+
+def _dotted_names(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The outermost names and dotted attributes read by `expr` (`args.batch_size`, not `args`)."""
+    out: list[cst.BaseExpression] = []
+    stack: list[cst.CSTNode] = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.Lambda):
+            continue
+        if isinstance(node, cst.Name) or (isinstance(node, cst.Attribute) and dotted(node) is not None):
+            out.append(node)
+            continue
+        for field in node.__dataclass_fields__:
+            value = getattr(node, field)
+            if isinstance(value, cst.CSTNode):
+                stack.append(value)
+            elif isinstance(value, (list, tuple)):
+                stack.extend(item for item in value if isinstance(item, cst.CSTNode))
+    return out
 
 
 def _lr_rescaled_later(ctx: LintContext) -> bool:
