@@ -20,7 +20,9 @@ class SyncBatchNormAfterDDP(Rule):
     ## What it does
     Flags `nn.SyncBatchNorm.convert_sync_batchnorm(...)` applied to a model that is already
     wrapped in `DistributedDataParallel`, or to the module inside such a wrapper
-    (`ddp_model.module`, or the name that was passed to `DDP(...)`).
+    (`ddp_model.module`, or the name that was passed to `DDP(...)`). When the conversion sits in a
+    helper called after the wrap, the finding points at that call (the line to move), not at the
+    helper, which is right wherever it runs before a wrap.
 
     ## Why is this bad?
     `convert_sync_batchnorm` returns new modules; DDP registered its gradient hooks and broadcast
@@ -109,8 +111,40 @@ class SyncBatchNormAfterDDP(Rule):
                     self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)  # expect: DD101
             """
         ),
+        Example(
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel
+
+            def to_sync_bn(model):
+                return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+            def main(net, local_rank, sync_bn):
+                model = DistributedDataParallel(net.cuda(), device_ids=[local_rank])
+                if sync_bn:
+                    model = to_sync_bn(model)  # expect: DD101
+                return model
+
+            main(Net(), 0, True)
+            """
+        ),
     )
     valid = (
+        Example(
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel
+
+            def to_sync_bn(model):
+                return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+            def main(net, local_rank):
+                model = DistributedDataParallel(to_sync_bn(net).cuda(), device_ids=[local_rank])
+                return model
+
+            main(Net(), 0)
+            """
+        ),
         Example(
             """
             import torch.nn as nn
@@ -164,13 +198,38 @@ class SyncBatchNormAfterDDP(Rule):
             if wrapper is None:
                 continue
             wrap_line = ctx.position(wrapper.node).start.line
+            at = _line_to_change(ctx, trace, step, call, wrapper)
             yield Report(
-                call,
+                at,
                 f"convert_sync_batchnorm() runs after the model was wrapped in DistributedDataParallel "
                 f"(line {wrap_line}): DDP keeps driving the old BatchNorm layers. Convert first, then "
                 f"wrap: move this conversion above line {wrap_line}.",
-                fix=_move_above_wrap(ctx, trace, step, call, wrapper),
+                fix=_move_above_wrap(ctx, trace, step, call, wrapper) if at is call else None,
             )
+
+
+def _line_to_change(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, wrapper: Value) -> cst.CSTNode:
+    """Where the conversion must move: the conversion itself, or, when it sits in a helper
+    (`def to_sync_bn(m): return convert_sync_batchnorm(m)`) that was entered after the wrap,
+    the call to that helper (the helper is right when called before the wrap)."""
+    wrap_step = next((s for s in trace.steps if any(c is wrapper.node for c in flow.own_calls(s.node))), None)
+    if wrap_step is None:
+        return call
+    node: cst.CSTNode = call
+    frame = step.frame
+    while frame.call is not None and frame.parent is not None and not any(f is frame for f in wrap_step.frame.chain()):
+        if not _in_source(ctx, frame.call):  # a function traced on its own: no caller in the file
+            break
+        node, frame = frame.call, frame.parent
+    return node
+
+
+def _in_source(ctx: LintContext, node: cst.CSTNode) -> bool:
+    try:
+        ctx.position(node)
+    except KeyError:
+        return False
+    return True
 
 
 def _wrapper_of(trace: Trace, step: Step, target: cst.BaseExpression) -> Value | None:
