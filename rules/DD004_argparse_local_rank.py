@@ -13,6 +13,8 @@ from distdoctor.rule import Example, Report, Rule
 
 FLAGS = ("--local_rank", "--local-rank")
 ENV_NAME = "LOCAL_RANK"
+# Launchers that still pass `--local_rank` to the script.
+FLAG_PASSING_LAUNCHERS = ("deepspeed",)
 
 
 class ArgparseLocalRank(Rule):
@@ -24,7 +26,8 @@ class ArgparseLocalRank(Rule):
     environment variable. The finding points at the `add_argument` line.
 
     Silent when the script reads `LOCAL_RANK` anywhere (for instance as the argument's default,
-    or `if "LOCAL_RANK" in os.environ: ...`), and when the flag is never used for a device.
+    or `if "LOCAL_RANK" in os.environ: ...`), when the flag is never used for a device, and in
+    DeepSpeed scripts (the `deepspeed` launcher still passes `--local_rank`).
 
     ## Why is this bad?
     `python -m torch.distributed.launch` passed `--local_rank=N` to every process; `torchrun`
@@ -162,9 +165,25 @@ class ArgparseLocalRank(Rule):
                 print("node leader")
             """
         ),
+        Example(
+            """
+            import argparse
+            import deepspeed
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+            parser = deepspeed.add_config_arguments(parser)
+            args = parser.parse_args()
+            torch.cuda.set_device(args.local_rank)
+            deepspeed.init_distributed()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if ctx.imports.imports_any(FLAG_PASSING_LAUNCHERS):
+            return
         flags = _local_rank_flags(ctx.module)
         if not flags or _reads_local_rank_env(ctx.module):
             return
