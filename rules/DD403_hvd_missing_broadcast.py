@@ -182,20 +182,12 @@ class HorovodMissingBroadcast(Rule):
 
 def _broadcasts_somewhere(ctx: LintContext) -> bool:
     """Whether any call in the file (on a traced path or not) could align the weights."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            nonlocal found
-            if found:
-                return
-            qual = ctx.qualname(node.func) or ""
-            text = qual or dotted(node.func) or ""
-            last = text.rsplit(".", 1)[-1]
-            if qual.startswith("horovod.") and last in _ALIGNING_APIS:
-                found = True
-            elif not qual.startswith("horovod.") and last.endswith("broadcast_parameters"):
-                found = True
-
-    ctx.module.visit(Finder())
-    return found
+    for node in ctx.nodes(cst.Call):
+        qual = ctx.qualname(node.func) or ""
+        text = qual or dotted(node.func) or ""
+        last = text.rsplit(".", 1)[-1]
+        if qual.startswith("horovod.") and last in _ALIGNING_APIS:
+            return True
+        if not qual.startswith("horovod.") and last.endswith("broadcast_parameters"):
+            return True
+    return False
