@@ -257,17 +257,11 @@ def _starts_processes(ctx: LintContext) -> bool:
     device-count world size is the number of workers it starts, not the launcher's."""
     if ctx.info.spawn_targets:
         return True
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            nonlocal found
-            qual = ctx.qualname(node.func) or ""
-            if qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")):
-                found = True
-
-    ctx.module.visit(Finder())
-    return found
+    for node in ctx.nodes(cst.Call):
+        qual = ctx.qualname(node.func) or ""
+        if qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")):
+            return True
+    return False
 
 
 def _arg_of(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
