@@ -35,7 +35,7 @@ class MissingSetDevice(Rule):
     finding points at the first such call. `DDP(model.cuda(), device_ids=[local_rank])` does not
     select a device: the model is already on GPU 0, and DDP refuses it on every other rank.
 
-    Only calls on the same code path as the initialisation, after it, count. Deliberately
+    Only calls on the same code path as the initialisation (before or after it) count. Deliberately
     conservative: silent when the device may be chosen elsewhere — a launch helper
     from another module (`utils.init_distributed_mode(args)`, `setup_distributed()`), a framework
     (accelerate, Lightning, DeepSpeed), `CUDA_VISIBLE_DEVICES` or SLURM's per-task GPU binding —
@@ -192,11 +192,11 @@ class MissingSetDevice(Rule):
             return
         if selects_device_explicitly(ctx):
             return
-        started = _initialised_at(ctx)
+        started = _initialising_traces(ctx)
         uses = [
             (ctx.position(call).start.line, call)
             for trace, step, call, _ in current_device_uses(ctx)
-            if id(trace) in started and step.index > started[id(trace)] and not ctx.under_rank_zero(trace, step)
+            if id(trace) in started and not ctx.under_rank_zero(trace, step)
         ]
         if not uses:
             return
@@ -214,15 +214,11 @@ def _initialises_here(ctx: LintContext) -> bool:
     return any(True for _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT))
 
 
-def _initialised_at(ctx: LintContext) -> dict[int, int]:
-    """For each trace that initialises the process group, the index of the step that does.
-    Only current-device calls after it on the same code path count: a library module whose
-    helpers initialise in one function and allocate in another says nothing about the script
-    that calls them."""
-    started: dict[int, int] = {}
-    for trace, step, _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT):
-        started.setdefault(id(trace), step.index)
-    return started
+def _initialising_traces(ctx: LintContext) -> set[int]:
+    """id() of the traces that initialise the process group. Only current-device calls on such
+    a code path count: a library module whose helpers initialise in one function and allocate
+    in another says nothing about the script that calls them."""
+    return {id(trace) for trace, _, _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT)}
 
 
 def _external_setup(ctx: LintContext) -> bool:
