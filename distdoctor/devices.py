@@ -84,52 +84,41 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
 
 def _cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
     """`f"cuda:{i}"`, `"cuda:%d" % i`, `"cuda:{}".format(i)`, `"cuda:" + str(i)` in a statement."""
-    found: list[tuple[cst.CSTNode, cst.BaseExpression]] = []
-
-    class Finder(cst.CSTVisitor):
-        def visit_FormattedString(self, string: cst.FormattedString) -> None:
-            parts = string.parts
-            for before, after in itertools.pairwise(parts):
+    if isinstance(node, _STEP_BOUNDARIES):
+        return  # the bodies of compound statements are steps of their own
+    for inner in flow.walk(node, skip=_STEP_BOUNDARIES):
+        if isinstance(inner, cst.FormattedString):
+            for before, after in itertools.pairwise(inner.parts):
                 if (
                     isinstance(before, cst.FormattedStringText)
                     and before.value.endswith("cuda:")
                     and isinstance(after, cst.FormattedStringExpression)
                 ):
-                    found.append((string, after.expression))
-
-        def visit_BinaryOperation(self, op: cst.BinaryOperation) -> None:
-            text = _string_value(op.left)
+                    yield inner, after.expression
+        elif isinstance(inner, cst.BinaryOperation):
+            text = _string_value(inner.left)
             if text is None:
-                return
-            if isinstance(op.operator, cst.Modulo) and text.startswith("cuda:%"):
-                right = op.right
+                continue
+            if isinstance(inner.operator, cst.Modulo) and text.startswith("cuda:%"):
+                right = inner.right
                 if isinstance(right, cst.Tuple) and right.elements:
                     right = right.elements[0].value
-                found.append((op, right))
-            elif isinstance(op.operator, cst.Add) and text == "cuda:":
-                right = op.right
+                yield inner, right
+            elif isinstance(inner.operator, cst.Add) and text == "cuda:":
+                right = inner.right
                 if isinstance(right, cst.Call) and dotted(right.func) == "str" and right.args:
                     right = right.args[0].value
-                found.append((op, right))
-
-        def visit_Call(self, call: cst.Call) -> None:
-            func = call.func
-            if isinstance(func, cst.Attribute) and func.attr.value == "format" and call.args:
+                yield inner, right
+        elif isinstance(inner, cst.Call):
+            func = inner.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "format" and inner.args:
                 text = _string_value(func.value)
                 if text is not None and text.startswith("cuda:{"):
-                    found.append((call, call.args[0].value))
+                    yield inner, inner.args[0].value
 
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return False
 
-        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-            return False
-
-        def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
-            return False  # the bodies of compound statements are steps of their own
-
-    node.visit(Finder())
-    return iter(found)
+# Not entered when looking for device strings in one step.
+_STEP_BOUNDARIES = (cst.FunctionDef, cst.ClassDef, cst.IndentedBlock)
 
 
 def current_device_uses(ctx) -> Iterator[tuple[Trace, Step, cst.Call, str]]:
@@ -183,26 +172,29 @@ def selects_device_explicitly(ctx) -> bool:
     `CUDA_VISIBLE_DEVICES` set, or an explicit index anywhere (`.to(local_rank)`, `.cuda(gpu)`,
     `f"cuda:{i}"`, `torch.device("cuda", i)`). `DDP(device_ids=...)` is no selection: it names
     the device the module must already be on."""
-    current = _CurrentDeviceNames(ctx)
-    ctx.module.visit(current)
-    finder = _ExplicitDeviceFinder(ctx, current.names)
-    ctx.module.visit(finder)
+    plain_names = _current_device_names(ctx)
+    finder = _ExplicitDeviceFinder(ctx, plain_names)
+    for call in ctx.nodes(cst.Call):
+        finder.visit_Call(call)
+        if finder.found:
+            return True
+    for string in ctx.nodes(cst.FormattedString):
+        finder.visit_FormattedString(string)
+    for string in ctx.nodes(cst.SimpleString):
+        finder.visit_SimpleString(string)
     return finder.found
 
 
-class _CurrentDeviceNames(cst.CSTVisitor):
+def _current_device_names(ctx) -> set[str]:
     """Names assigned a device without index anywhere: `device = torch.device("cuda")`."""
-
-    def __init__(self, ctx) -> None:
-        self.ctx = ctx
-        self.names: set[str] = set()
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        if _plain_device(self.ctx, node.value):
+    names: set[str] = set()
+    for node in ctx.nodes(cst.Assign):
+        if _plain_device(ctx, node.value):
             for target in node.targets:
                 text = dotted(target.target)
                 if text is not None:
-                    self.names.add(text)
+                    names.add(text)
+    return names
 
 
 def _plain_device(ctx, expr: cst.BaseExpression) -> bool:
@@ -213,7 +205,9 @@ def _plain_device(ctx, expr: cst.BaseExpression) -> bool:
     return False
 
 
-class _ExplicitDeviceFinder(cst.CSTVisitor):
+class _ExplicitDeviceFinder:
+    """The checks of `selects_device_explicitly`, one per node type, fed from the node index."""
+
     def __init__(self, ctx, plain_names: set[str]) -> None:
         self.ctx = ctx
         self.plain_names = plain_names
