@@ -39,12 +39,27 @@ class DeviceIndex:
 
 def device_indices(ctx) -> Iterator[DeviceIndex]:
     """Every expression used as a CUDA device index on the code path, in trace order."""
+    strings = _mentions_cuda_colon(ctx)
     for trace in ctx.traces:
         for step, call in trace.calls():
             yield from _indices_of_call(ctx, trace, step, call)
+        if not strings:
+            continue
         for step in trace.steps:
             for string, index in _cuda_strings(step.node):
                 yield DeviceIndex(trace, step, string, index, "string")
+
+
+def _mentions_cuda_colon(ctx) -> bool:
+    """Whether any string of the file contains `cuda:`: without one, no step holds a device string
+    (a cheap test on the shared node index before scanning every step)."""
+    for node in ctx.nodes(cst.FormattedStringText):
+        if "cuda:" in node.value:
+            return True
+    for node in ctx.nodes(cst.SimpleString):
+        if "cuda:" in (node.value if "\\" not in node.value else _string_value(node) or ""):
+            return True
+    return any("cuda:" in (_string_value(node) or "") for node in ctx.nodes(cst.ConcatenatedString))
 
 
 def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
@@ -82,8 +97,24 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
             yield DeviceIndex(trace, step, call, arg, method)
 
 
-def _cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
-    """`f"cuda:{i}"`, `"cuda:%d" % i`, `"cuda:{}".format(i)`, `"cuda:" + str(i)` in a statement."""
+_STRINGS_MEMO: dict[int, tuple[cst.CSTNode, list[tuple[cst.CSTNode, cst.BaseExpression]]]] = {}
+_STRINGS_MEMO_LIMIT = 100_000
+
+
+def _cuda_strings(node: cst.CSTNode) -> list[tuple[cst.CSTNode, cst.BaseExpression]]:
+    """`f"cuda:{i}"`, `"cuda:%d" % i`, `"cuda:{}".format(i)`, `"cuda:" + str(i)` in a statement.
+    Memoised: a function inlined at several call sites is the same statement each time."""
+    entry = _STRINGS_MEMO.get(id(node))
+    if entry is not None and entry[0] is node:
+        return entry[1]
+    found = list(_scan_cuda_strings(node))
+    if len(_STRINGS_MEMO) > _STRINGS_MEMO_LIMIT:
+        _STRINGS_MEMO.clear()
+    _STRINGS_MEMO[id(node)] = (node, found)  # holding the node keeps its id from being reused
+    return found
+
+
+def _scan_cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
     if isinstance(node, _STEP_BOUNDARIES):
         return  # the bodies of compound statements are steps of their own
     for inner in flow.walk(node, skip=_STEP_BOUNDARIES):
