@@ -283,7 +283,7 @@ class LoadWithoutMapLocation(Rule):
                 continue
             if not call.args or any(arg.star for arg in call.args):
                 continue
-            if _rank_zero_only(ctx, trace, step) or _other_branch_maps(ctx, call):
+            if _rank_zero_only(ctx, trace, step) or _other_branch_maps(ctx, step):
                 continue
             if cpu_files is None:
                 cpu_files = _files_saved_on_cpu(ctx)
@@ -312,19 +312,22 @@ def _rank_zero_only(ctx: LintContext, trace: Trace, step: Step) -> bool:
     return bool(guards) and all(guard.zero for guard in guards)
 
 
-def _other_branch_maps(ctx: LintContext, call: cst.Call) -> bool:
+def _other_branch_maps(ctx: LintContext, step: Step) -> bool:
     """`if args.gpu is None: ckpt = torch.load(f)` / `else: ckpt = torch.load(f, map_location=loc)`:
     the script maps where it runs one process per GPU; the unmapped branch is its
-    one-process-per-node (or single-process) path, where restoring to the saved devices is meant."""
-    child: cst.CSTNode = call
-    node = ctx.parent(call)
-    while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
-        if isinstance(node, cst.If) and node.orelse is not None:
-            other = node.orelse if child is node.body else node.body if child is node.orelse else None
-            if other is not None:
-                return any(_maps(ctx, load) for load in flow.walk(other) if isinstance(load, cst.Call))
-        child, node = node, ctx.parent(node)
-    return False
+    one-process-per-node (or single-process) path, where restoring to the saved devices is meant.
+    The `if` is the one whose branch holds the loading statement."""
+    if step.block is None:
+        return False
+    owner = step.block[0]
+    other: cst.CSTNode | None = None
+    if isinstance(owner, cst.If):
+        other = owner.orelse
+    elif isinstance(owner, cst.Else):
+        other = next((node.body for node in ctx.nodes(cst.If) if node.orelse is owner), None)
+    if other is None:
+        return False
+    return any(_maps(ctx, node) for node in flow.walk(other) if isinstance(node, cst.Call))
 
 
 def _maps(ctx: LintContext, call: cst.Call) -> bool:
