@@ -67,7 +67,7 @@ class LintContext:
 
     @cached_property
     def info(self) -> ModuleInfo:
-        return ModuleInfo.of(self.module, self.imports)
+        return ModuleInfo.of(self.module, self.imports, self.nodes(cst.Call))
 
     @cached_property
     def traces(self) -> list[Trace]:
@@ -165,7 +165,7 @@ class LintContext:
     def _parents(self) -> dict[int, cst.CSTNode]:
         parents: dict[int, cst.CSTNode] = {}
         for node in flow.walk(self.module):
-            for name in node.__dataclass_fields__:
+            for name in flow._code_fields(type(node)):
                 value = getattr(node, name)
                 items = value if isinstance(value, (list, tuple)) else (value,)
                 for item in items:

@@ -171,7 +171,7 @@ class ModuleInfo:
     spawn_targets: dict[str, str]  # function name -> how it is started ("spawn")
 
     @classmethod
-    def of(cls, module: cst.Module, imports: ImportTable) -> ModuleInfo:
+    def of(cls, module: cst.Module, imports: ImportTable, calls: Sequence[cst.Call] | None = None) -> ModuleInfo:
         functions: dict[str, cst.FunctionDef] = {}
         classes: dict[str, cst.ClassDef] = {}
         for stmt in _flat_body(module.body):
@@ -181,9 +181,8 @@ class ModuleInfo:
                 classes[stmt.name.value] = stmt
         info = cls(module, imports, functions, classes, {})
         finder = _SpawnFinder(info)
-        for node in walk(module):
-            if isinstance(node, cst.Call):
-                finder.visit_Call(node)
+        for node in calls if calls is not None else (n for n in walk(module) if isinstance(n, cst.Call)):
+            finder.visit_Call(node)
         return info
 
     def methods(self, cls_node: cst.ClassDef) -> dict[str, cst.FunctionDef]:
@@ -614,22 +613,56 @@ def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
     return None
 
 
+# Fields that hold only layout (whitespace, commas, parentheses, blank lines): never code.
+_LAYOUT_FIELDS = frozenset(
+    {
+        "lpar", "rpar", "lbracket", "rbracket", "lbrace", "rbrace", "comma", "semicolon", "colon",
+        "equal", "dot", "star", "leading_lines", "lines_after_decorators", "header", "footer",
+        "trailing_whitespace", "newline", "first_line", "empty_lines", "whitespace_before",
+        "whitespace_after", "whitespace_before_colon", "whitespace_after_colon", "whitespace_before_params",
+        "whitespace_after_def", "whitespace_after_class", "whitespace_after_for", "whitespace_before_in",
+        "whitespace_after_in", "whitespace_after_if", "whitespace_after_with", "whitespace_after_while",
+        "whitespace_after_import", "whitespace_after_from", "whitespace_before_import", "whitespace_after_as",
+        "whitespace_before_as", "whitespace_after_func", "whitespace_before_args", "whitespace_after_arg",
+        "whitespace_after_star", "whitespace_after_param", "whitespace_after_equal", "whitespace_before_equal",
+        "whitespace_after_return", "whitespace_after_lambda", "whitespace_after_await", "whitespace_after_del",
+        "whitespace_after_raise", "whitespace_after_assert", "whitespace_after_global", "whitespace_after_nonlocal",
+        "whitespace_after_except", "whitespace_after_yield", "whitespace_after_indicator", "whitespace_after_test",
+        "whitespace_before_from", "whitespace_after_match", "whitespace_after_case", "whitespace_before_if",
+        "whitespace_after_async", "whitespace_after_at", "whitespace_after_type",
+    }
+)
+_CODE_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _code_fields(kind: type) -> tuple[str, ...]:
+    fields = _CODE_FIELDS.get(kind)
+    if fields is None:
+        fields = tuple(name for name in kind.__dataclass_fields__ if name not in _LAYOUT_FIELDS)
+        _CODE_FIELDS[kind] = fields
+    return fields
+
+
 def walk(node: cst.CSTNode, skip: tuple[type, ...] = ()) -> Iterator[cst.CSTNode]:
-    """Every node under `node` (itself included), parents before children, in field order, not
-    descending into nodes of the `skip` types. Much faster than a libcst visitor, which rebuilds
-    every node it passes."""
+    """Every code node under `node` (itself included), parents before children, in field order,
+    not descending into nodes of the `skip` types nor into layout (whitespace, commas,
+    parentheses). Much faster than a libcst visitor, which rebuilds every node it passes."""
+    node_type = cst.CSTNode
     stack = [node]
     while stack:
         current = stack.pop()
         yield current
         children: list[cst.CSTNode] = []
-        for name in current.__dataclass_fields__:
+        for name in _code_fields(type(current)):
             value = getattr(current, name)
-            if isinstance(value, cst.CSTNode):
+            if isinstance(value, (list, tuple)):
+                children.extend(item for item in value if isinstance(item, node_type))
+            elif isinstance(value, node_type):
                 children.append(value)
-            elif isinstance(value, (list, tuple)):
-                children.extend(item for item in value if isinstance(item, cst.CSTNode))
-        stack.extend(child for child in reversed(children) if not isinstance(child, skip))
+        if skip:
+            children = [child for child in children if not isinstance(child, skip)]
+        children.reverse()
+        stack.extend(children)
 
 
 def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
@@ -637,7 +670,7 @@ def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
     out: list[cst.Call] = []
 
     def visit(current: cst.CSTNode) -> None:
-        for name in current.__dataclass_fields__:
+        for name in _code_fields(type(current)):
             value = getattr(current, name)
             items = value if isinstance(value, (list, tuple)) else (value,)
             for item in items:

@@ -172,7 +172,7 @@ class AccumulationWithoutNoSync(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.uses_torch_distributed or _controls_sync(ctx.module):
+        if not ctx.uses_torch_distributed or _controls_sync(ctx):
             return
         for trace in ctx.traces:
             for step, call in trace.calls():
@@ -189,8 +189,8 @@ class AccumulationWithoutNoSync(Rule):
                     )
 
 
-def _controls_sync(module: cst.Module) -> bool:
-    for node in flow.walk(module):
+def _controls_sync(ctx: LintContext) -> bool:
+    for node in ctx.nodes(cst.Attribute, cst.Name):
         if isinstance(node, cst.Attribute) and node.attr.value in SYNC_CONTROL:
             return True
         if isinstance(node, cst.Name) and "no_sync" in node.value:
