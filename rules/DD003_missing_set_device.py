@@ -223,27 +223,21 @@ def _initialising_traces(ctx: LintContext) -> set[int]:
 
 def _external_setup(ctx: LintContext) -> bool:
     """Whether a function from another module that sounds like distributed setup is called."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            nonlocal found
-            text = dotted(node.func)
-            if text is None:
-                return
-            last = text.rsplit(".", 1)[-1]
-            if last in ctx.info.functions or last == "init_process_group":
-                return
-            qual = ctx.qualname(node.func) or ""
-            if qual.startswith(("torch.", "horovod.")) and last != "set_device":
-                return
-            if isinstance(node.func, cst.Attribute) and dotted(node.func.value) == "self":
-                return
-            if SETUP_HELPER.search(last):
-                found = True
-
-    ctx.module.visit(Finder())
-    return found
+    for node in ctx.nodes(cst.Call):
+        text = dotted(node.func)
+        if text is None:
+            continue
+        last = text.rsplit(".", 1)[-1]
+        if last in ctx.info.functions or last == "init_process_group":
+            continue
+        qual = ctx.qualname(node.func) or ""
+        if qual.startswith(("torch.", "horovod.")) and last != "set_device":
+            continue
+        if isinstance(node.func, cst.Attribute) and dotted(node.func.value) == "self":
+            continue
+        if SETUP_HELPER.search(last):
+            return True
+    return False
 
 
 def _short(text: str) -> str:

@@ -184,8 +184,8 @@ class ArgparseLocalRank(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if ctx.imports.imports_any(FLAG_PASSING_LAUNCHERS):
             return
-        flags = _local_rank_flags(ctx.module)
-        if not flags or _reads_local_rank_env(ctx.module):
+        flags = _local_rank_flags(ctx)
+        if not flags or _reads_local_rank_env(ctx):
             return
         use = next((u for u in device_indices(ctx) if _from_flag(u.trace.value(u.index, u.step))), None)
         if use is None:
@@ -200,50 +200,33 @@ class ArgparseLocalRank(Rule):
             )
 
 
-def _local_rank_flags(module: cst.Module) -> list[cst.Call]:
+def _local_rank_flags(ctx: LintContext) -> list[cst.Call]:
     found: list[cst.Call] = []
-
-    class Finder(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            func = node.func
-            if not (isinstance(func, cst.Attribute) and func.attr.value == "add_argument"):
-                return
-            for arg in node.args:
-                if (
-                    arg.keyword is None
-                    and isinstance(arg.value, cst.SimpleString)
-                    and arg.value.evaluated_value in FLAGS
-                ):
-                    found.append(node)
-                    return
-
-    module.visit(Finder())
+    for node in ctx.nodes(cst.Call):
+        func = node.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "add_argument"):
+            continue
+        if any(
+            arg.keyword is None and isinstance(arg.value, cst.SimpleString) and arg.value.evaluated_value in FLAGS
+            for arg in node.args
+        ):
+            found.append(node)
     return found
 
 
-def _reads_local_rank_env(module: cst.Module) -> bool:
+def _reads_local_rank_env(ctx: LintContext) -> bool:
     """Any mention of "LOCAL_RANK" that is not `os.environ["LOCAL_RANK"] = ...` (a write)."""
     written: set[int] = set()
-    mentioned: list[cst.SimpleString] = []
-
-    class Finder(cst.CSTVisitor):
-        def visit_Assign(self, node: cst.Assign) -> None:
-            for target in node.targets:
-                if isinstance(target.target, cst.Subscript):
-                    for element in target.target.slice:
-                        if isinstance(element.slice, cst.Index):
-                            written.add(id(element.slice.value))
-
-        def visit_SimpleString(self, node: cst.SimpleString) -> None:
-            if node.evaluated_value == ENV_NAME:
-                mentioned.append(node)
-
-        def visit_FormattedStringText(self, node: cst.FormattedStringText) -> None:
-            if ENV_NAME in node.value:
-                mentioned.append(cst.SimpleString('""'))
-
-    module.visit(Finder())
-    return any(id(node) not in written for node in mentioned)
+    for node in ctx.nodes(cst.Assign):
+        for target in node.targets:
+            if isinstance(target.target, cst.Subscript):
+                for element in target.target.slice:
+                    if isinstance(element.slice, cst.Index):
+                        written.add(id(element.slice.value))
+    for node in ctx.nodes(cst.SimpleString):
+        if node.evaluated_value == ENV_NAME and id(node) not in written:
+            return True
+    return any(ENV_NAME in node.value for node in ctx.nodes(cst.FormattedStringText))
 
 
 def _from_flag(value: flow.Value | None) -> bool:

@@ -166,7 +166,7 @@ class EvalSamplerPadding(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if _truncates(ctx.module) or any(word in ctx.source for word in BY_INDEX):
+        if _truncates(ctx) or any(word in ctx.source for word in BY_INDEX):
             return
         trained: set[int] = set()
         iterated: dict[int, Value] = {}
@@ -215,15 +215,8 @@ def _target_name(statement: cst.CSTNode, call: cst.Call) -> str:
     return ""
 
 
-def _truncates(module: cst.Module) -> bool:
+def _truncates(ctx: LintContext) -> bool:
     """Whether the module slices something down to a length (`[: len(dataset)]`)."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Slice(self, node: cst.Slice) -> None:
-            nonlocal found
-            if node.upper is not None and TRUNCATION.search(cst.Module([]).code_for_node(node.upper)):
-                found = True
-
-    module.visit(Finder())
-    return found
+    return any(
+        node.upper is not None and TRUNCATION.search(ctx.code(node.upper)) for node in ctx.nodes(cst.Slice)
+    )
