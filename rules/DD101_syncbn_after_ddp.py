@@ -285,11 +285,4 @@ def _move_above_wrap(ctx: LintContext, trace: Trace, step: Step, call: cst.Call,
 
 
 def _names_in(node: cst.CSTNode) -> list[cst.Name]:
-    found: list[cst.Name] = []
-
-    class Collector(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.append(n)
-
-    node.visit(Collector())
-    return found
+    return [sub for sub in flow.walk(node) if isinstance(sub, cst.Name)]
