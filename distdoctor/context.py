@@ -456,42 +456,15 @@ class LintContext:
 
 
 def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) -> bool:
-    """Whether a rank test reads the local rank (true once per node, not once per job)."""
-    found = False
-
-    class Finder(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            nonlocal found
-            value = flow.Evaluator(ctx.info, step.env, step.frame, {}).eval(node)
+    """Whether a rank test reads the local rank (true once per node, not once per job), e.g.
+    `local_rank == 0`, or `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet)."""
+    evaluator = flow.Evaluator(ctx.info, step.env, step.frame, {})
+    for node in flow.walk(test):
+        if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.BinaryOperation)):
+            value = evaluator.eval(node)
             if value is not None and value.kind == flow.LOCAL_RANK:
-                found = True
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            nonlocal found
-            value = flow.Evaluator(ctx.info, step.env, step.frame, {}).eval(node)
-            if value is not None and value.kind == flow.LOCAL_RANK:
-                found = True
-                return False
-            return True
-
-        def visit_Call(self, node: cst.Call) -> bool:
-            nonlocal found
-            value = flow.Evaluator(ctx.info, step.env, step.frame, {}).eval(node)
-            if value is not None and value.kind == flow.LOCAL_RANK:
-                found = True
-            return True
-
-        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-            # `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet): a local rank.
-            nonlocal found
-            value = flow.Evaluator(ctx.info, step.env, step.frame, {}).eval(node)
-            if value is not None and value.kind == flow.LOCAL_RANK:
-                found = True
-                return False
-            return True
-
-    test.visit(Finder())
-    return found
+                return True
+    return False
 
 
 def _read_names(node: cst.CSTNode) -> set[str]:
@@ -549,16 +522,9 @@ def _assigned_names(node: cst.CSTNode) -> set[str]:
 
 
 def _subexpressions(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
-    found: list[cst.BaseExpression] = []
-
-    class Collector(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            if isinstance(node, cst.BaseExpression):
-                found.append(node)
-            return not isinstance(node, (cst.Lambda,))
-
-    expr.visit(Collector())
-    return found
+    if isinstance(expr, cst.Lambda):
+        return [expr]  # a lambda's body runs later, not where the expression is evaluated
+    return [node for node in flow.walk(expr, skip=(cst.Lambda,)) if isinstance(node, cst.BaseExpression)]
 
 
 def _static_int(trace: Trace, step: Step, expr: cst.BaseExpression) -> int | None:
