@@ -19,7 +19,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from distdoctor import __version__
+from distdoctor import __version__, flow
 from distdoctor.config import Config
 from distdoctor.context import LintContext
 from distdoctor.finding import Finding
@@ -84,6 +84,13 @@ def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
         return FileResult(path, (_syntax_finding(path, exc),))
     except (RecursionError, ValueError) as exc:  # pathological input
         return FileResult(path, (_syntax_finding(path, exc),))
+    try:
+        return _lint_module(path, source, module, rules)
+    finally:
+        flow.forget_calls()
+
+
+def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rule]) -> FileResult:
     ctx = LintContext(path, source, module)
     raw: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()

@@ -688,6 +688,11 @@ _CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = {}
 _CALLS_MEMO_LIMIT = 200_000
 
 
+def forget_calls() -> None:
+    """Drop the memo of call lists: it holds nodes, so it would keep every linted tree alive."""
+    _CALLS_MEMO.clear()
+
+
 def own_calls(node: cst.CSTNode) -> list[cst.Call]:
     """Calls in a statement in evaluation order (arguments before the call), not descending into
     nested function bodies, lambdas, or the bodies of compound statements. Memoised: every rule
