@@ -20,6 +20,8 @@ from distdoctor.flow import Step, Trace
 from distdoctor.names import dotted
 
 SET_DEVICE = "torch.cuda.set_device"
+# torch >= 2.6's device-generic spelling of the same call
+SET_DEVICE_INDEX = "torch.accelerator.set_device_index"
 DEVICE_CONTEXT = "torch.cuda.device"
 TORCH_DEVICE = "torch.device"
 DDP = "torch.nn.parallel.DistributedDataParallel"
@@ -64,10 +66,10 @@ def _mentions_cuda_colon(ctx) -> bool:
 
 def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
     qual = ctx.qualname(call.func)
-    if qual in (SET_DEVICE, DEVICE_CONTEXT):
+    if qual in (SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT):
         arg = flow.argument(call, 0, "device")
         if arg is not None and not _is_string(arg):
-            yield DeviceIndex(trace, step, call, arg, "set_device" if qual == SET_DEVICE else "device")
+            yield DeviceIndex(trace, step, call, arg, "device" if qual == DEVICE_CONTEXT else "set_device")
         return
     if qual == TORCH_DEVICE:
         kind = flow.argument(call, 0, "type")
@@ -247,7 +249,7 @@ class _ExplicitDeviceFinder:
     def visit_Call(self, call: cst.Call) -> None:
         qual = self.ctx.qualname(call.func) or ""
         last = (dotted(call.func) or "").rsplit(".", 1)[-1]
-        if qual in (SET_DEVICE, DEVICE_CONTEXT) or last == "set_device":
+        if qual in (SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT) or last in ("set_device", "set_device_index"):
             self.found = True
         elif qual == INIT_PROCESS_GROUP:
             if flow.keyword(call, "device_id") is not None:

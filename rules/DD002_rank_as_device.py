@@ -73,6 +73,17 @@ class RankAsDevice(Rule):
             import os
             import torch
             import torch.distributed as dist
+
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("nccl")
+            torch.accelerator.set_device_index(rank)  # expect: DD002
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             def main():
