@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import libcst as cst
@@ -133,6 +133,21 @@ def _syntax_finding(path: str, exc: Exception) -> Finding:
         column=column,
         end_line=line,
         end_column=column,
+    )
+
+
+def _unreadable_finding(path: str, exc: Exception) -> Finding:
+    reason = f"not UTF-8 text ({exc.reason} at byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else str(exc)
+    return Finding(
+        code=SYNTAX_ERROR[0],
+        name=SYNTAX_ERROR[1],
+        severity="error",
+        message=f"cannot read this file: {reason}",
+        path=path,
+        line=1,
+        column=1,
+        end_line=1,
+        end_column=1,
     )
 
 
@@ -405,8 +420,12 @@ def lint(paths: Sequence[str], config: Config | None = None, *, jobs: int | None
         shown = str(file)
         try:
             source = read_source(file)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except PermissionError as exc:
             errors.append(f"{shown}: cannot read: {exc}")
+            continue
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            # Not UTF-8 text, or a notebook that is not JSON: like a syntax error, a finding.
+            results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
         key = _cache_key(source, rules)
         cached = cache.get(key, shown)
@@ -429,9 +448,17 @@ def lint(paths: Sequence[str], config: Config | None = None, *, jobs: int | None
 
     findings: list[Finding] = []
     unused: list[UnusedNoqa] = []
+    # DD000 comes from the engine, not a rule: a file that cannot be read is always reported,
+    # unless DD000 is ignored explicitly (selecting other rules does not hide it).
+    selected = set(codes) | ({SYNTAX_ERROR[0]} if not any(SYNTAX_ERROR[0].startswith(c) for c in config.ignore if c != "ALL") else set())
     for result in results:
         ignored = config.ignored_for(result.path)
-        findings.extend(f for f in result.findings if not any(f.code.startswith(code) for code in ignored))
+        notebook = result.path.endswith(".ipynb")
+        for f in result.findings:
+            if f.code not in selected or any(f.code.startswith(code) for code in ignored):
+                continue
+            # A notebook is never rewritten, so its findings do not advertise a fix.
+            findings.append(replace(f, fix=None) if notebook and f.fix is not None else f)
         unused.extend(result.unused_noqa)
     findings.sort(key=lambda f: f.sort_key)
     return LintResult(tuple(findings), len(files), tuple(unused), tuple(errors))

@@ -350,3 +350,29 @@ def test_pre_commit_hook_entry_runs_on_a_staged_bad_file(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1 and "DD101" in result.stdout
+
+
+def test_unreadable_files_are_dd000_findings_whatever_the_selection(tmp_path):
+    (tmp_path / "latin1.py").write_bytes(b"# caf\xe9\nimport torch.distributed as dist\n")
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    (tmp_path / "train.py").write_text(BAD)
+    data = json.loads(run("lint", "--no-cache", "--format", "json", "--select", "DD1", str(tmp_path)).output)
+    found = sorted((Path(f["path"]).name, f["code"]) for f in data)
+    assert found == [("broken.ipynb", "DD000"), ("latin1.py", "DD000"), ("train.py", "DD101")]
+    ignored = json.loads(run("lint", "--no-cache", "--format", "json", "--ignore", "DD000", str(tmp_path)).output)
+    assert "DD000" not in {f["code"] for f in ignored}
+
+
+def test_notebooks_are_linted_cell_by_cell_and_never_rewritten(tmp_path):
+    cells = [
+        {"cell_type": "markdown", "source": ["# training"]},
+        {"cell_type": "code", "source": ["%matplotlib inline\n", "import torch.nn as nn\n", "from torch.nn.parallel import DistributedDataParallel as DDP\n"]},
+        {"cell_type": "code", "source": ["model = DDP(Net())\n", "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n"]},
+    ]
+    notebook = tmp_path / "train.ipynb"
+    notebook.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    before = notebook.read_text()
+    data = json.loads(run("lint", "--no-cache", "--format", "json", str(notebook)).output)
+    assert [(f["code"], f["line"], f["fix"]) for f in data] == [("DD101", 6, None)]
+    assert run("lint", "--no-cache", "--fix", str(notebook)).exit_code == 1
+    assert notebook.read_text() == before
