@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from distdoctor import __version__
 from distdoctor.finding import Finding
@@ -15,6 +16,7 @@ from distdoctor.rule import Rule, all_rules
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
 HELP_URI = "https://github.com/distdoctor/distdoctor#rules"
+SRCROOT = "%SRCROOT%"
 
 
 def format_text(
@@ -89,11 +91,26 @@ def _rule_descriptor(rule: Rule) -> dict[str, Any]:
     }
 
 
+def _artifact_location(path: str) -> dict[str, Any]:
+    """A SARIF artifactLocation: `uri` is a URI reference, not a file path, so it is percent-encoded.
+
+    A relative path stays relative, against `%SRCROOT%` (the directory distdoctor ran in), which is
+    what GitHub code scanning resolves against the repository root; an absolute path becomes a
+    `file://` URI.
+    """
+    p = Path(path)
+    if p.is_absolute():
+        return {"uri": p.as_uri()}
+    return {"uri": quote(p.as_posix(), safe="/"), "uriBaseId": SRCROOT}
+
+
 def format_sarif(findings: Sequence[Finding]) -> str:
     rules = all_rules()
     index = {rule.code: i for i, rule in enumerate(rules)}
     results = []
+    relative = False
     for f in findings:
+        relative = relative or not Path(f.path).is_absolute()
         result: dict[str, Any] = {
             "ruleId": f.code,
             "ruleIndex": index.get(f.code, 0),
@@ -102,7 +119,7 @@ def format_sarif(findings: Sequence[Finding]) -> str:
             "locations": [
                 {
                     "physicalLocation": {
-                        "artifactLocation": {"uri": Path(f.path).as_posix()},
+                        "artifactLocation": _artifact_location(f.path),
                         "region": {
                             "startLine": f.line,
                             "startColumn": f.column,
@@ -119,7 +136,7 @@ def format_sarif(findings: Sequence[Finding]) -> str:
                     "description": {"text": f.fix.message or "distdoctor fix"},
                     "artifactChanges": [
                         {
-                            "artifactLocation": {"uri": Path(f.path).as_posix()},
+                            "artifactLocation": _artifact_location(f.path),
                             "replacements": [
                                 {
                                     "deletedRegion": {
@@ -137,23 +154,26 @@ def format_sarif(findings: Sequence[Finding]) -> str:
                 }
             ]
         results.append(result)
-    document = {
-        "$schema": SARIF_SCHEMA,
-        "version": "2.1.0",
-        "runs": [
-            {
-                "tool": {
-                    "driver": {
-                        "name": "distdoctor",
-                        "version": __version__,
-                        "informationUri": "https://github.com/distdoctor/distdoctor",
-                        "rules": [_rule_descriptor(rule) for rule in rules],
-                    }
-                },
-                "results": results,
+    run: dict[str, Any] = {
+        "tool": {
+            "driver": {
+                "name": "distdoctor",
+                "version": __version__,
+                "informationUri": "https://github.com/distdoctor/distdoctor",
+                "rules": [_rule_descriptor(rule) for rule in rules],
             }
-        ],
+        },
+        "results": results,
     }
+    if relative:
+        # Where %SRCROOT% is; the trailing slash makes the relative URIs resolve inside it.
+        try:
+            root = Path.cwd().as_uri()
+        except OSError:  # the working directory is gone: the base stays unnamed, as SARIF allows
+            root = ""
+        if root:
+            run["originalUriBaseIds"] = {SRCROOT: {"uri": root if root.endswith("/") else root + "/"}}
+    document = {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
     return json.dumps(document, indent=2)
 
 

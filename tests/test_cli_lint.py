@@ -108,6 +108,26 @@ def test_sarif_output_has_rules_results_and_regions(tree):
     jsonschema.validate(doc, SARIF_SUBSET_SCHEMA)
 
 
+def test_sarif_uris_are_percent_encoded_and_relative_to_srcroot(tree):
+    # artifactLocation.uri is a URI reference (format uri-reference in the SARIF 2.1.0 schema):
+    # a space, '#' or '%' in a file name must be escaped, or the uri is invalid or names another file.
+    odd = tree / "sub dir#1"
+    odd.mkdir()
+    (odd / "bad 100%.py").write_text(BAD)
+    doc = json.loads(run("lint", "--no-cache", "--format", "sarif", "sub dir#1", cwd=tree).output)
+    run_ = doc["runs"][0]
+    first = run_["results"][0]
+    location = first["locations"][0]["physicalLocation"]["artifactLocation"]
+    assert location == {"uri": "sub%20dir%231/bad%20100%25.py", "uriBaseId": "%SRCROOT%"}
+    assert first["fixes"][0]["artifactChanges"][0]["artifactLocation"] == location
+    assert run_["originalUriBaseIds"]["%SRCROOT%"]["uri"] == tree.resolve().as_uri() + "/"
+    # An absolute path is an absolute file URI, with no base.
+    doc = json.loads(run("lint", "--no-cache", "--format", "sarif", str(odd / "bad 100%.py")).output)
+    location = doc["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]
+    assert location == {"uri": (odd / "bad 100%.py").as_uri()}
+    assert "originalUriBaseIds" not in doc["runs"][0]
+
+
 # The parts of the SARIF 2.1.0 schema that GitHub code scanning reads, written out by hand.
 SARIF_SUBSET_SCHEMA = {
     "type": "object",
