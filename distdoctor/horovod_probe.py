@@ -2,7 +2,7 @@
 
 Ranks are started by `horovodrun -np N --gloo` (Gloo controller, CPU), bounded by a wall-clock limit;
 on timeout or Ctrl-C every process horovodrun started is stopped (horovodrun starts each rank in a
-session of its own, so the process tree is tracked, as `distdoctor.launch` does for torchrun).
+session of its own: `distdoctor.launch.run_process_tree`, the runner torchrun launches use too).
 
 The built-in probe runs `distdoctor.horovod_worker` on every rank and judges what the ranks wrote:
 - `env`: Horovod, torch and the controller each rank runs with;
@@ -23,18 +23,19 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distdoctor.launch import LaunchError, describe_exitcode
+from distdoctor.launch import (
+    LaunchError,
+    LaunchResult,
+    last_traceback,
+    run_process_tree,
+)
 from distdoctor.probe_report import CheckResult, Report
 
 INSTALL_HINT = "run scripts/install-horovod.sh (it builds Horovod 0.28.1 with PyTorch and Gloo for the installed torch)"
@@ -44,8 +45,6 @@ GRAD_RTOL = 1e-4
 LOSS_RTOL = 1e-3
 # The loss must fall at least this much over the run (last / first of the reference-following curve).
 LOSS_FALL = 0.8
-_POLL_S = 0.25
-_TERMINATE_GRACE_S = 3.0
 
 
 class HorovodUnavailable(LaunchError):
@@ -90,37 +89,6 @@ def horovodrun_path() -> str | None:
 # --- launch ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HorovodLaunchResult:
-    """What one horovodrun launch did: exit status, per-rank exit codes and tracebacks, all output."""
-
-    returncode: int
-    timed_out: bool
-    interrupted: bool
-    duration_s: float
-    rank_exitcodes: dict[int, int]
-    rank_errors: dict[int, str]
-    output: str
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.interrupted
-
-    def failure_message(self) -> str:
-        """One line saying why the launch did not succeed ('' when it did)."""
-        if self.ok:
-            return ""
-        if self.interrupted:
-            return "interrupted (Ctrl-C): every rank was stopped"
-        if self.timed_out:
-            return f"horovodrun ran past its wall-clock limit after {self.duration_s:.1f} s: every rank was stopped"
-        failed = {rank: code for rank, code in self.rank_exitcodes.items() if code != 0}
-        if failed:
-            parts = [f"rank {rank} exited with {describe_exitcode(code)}" for rank, code in sorted(failed.items())]
-            return "horovodrun failed: " + "; ".join(parts)
-        return f"horovodrun exited with status {self.returncode}"
-
-
 def horovodrun_command(nproc: int, target: Sequence[str], *, timeout_s: float = 120.0) -> list[str]:
     """`horovodrun -np N --gloo ... python TARGET`: the command a user could also run by hand.
 
@@ -153,7 +121,7 @@ def launch_horovod(
     timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
     echo: bool = False,
-) -> HorovodLaunchResult:
+) -> LaunchResult:
     """Run `target` on `nproc` local ranks through horovodrun and wait, at most `timeout_s`.
 
     A collective that stalls is shut down by Horovod itself after about half the wall clock
@@ -173,71 +141,17 @@ def launch_horovod(
     full_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_s))
     full_env.update(env or {})
     try:
-        return _run_bounded(cmd, full_env, timeout_s, logs, echo)
+        run = run_process_tree(cmd, full_env, timeout_s, echo=echo)
+        rank_exitcodes = _exitcodes(run.output, run.returncode, run.timed_out or run.interrupted)
+        return LaunchResult.of(run, rank_exitcodes, _rank_errors(logs), "horovodrun")
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-
-
-def _run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, logs: Path, echo: bool) -> HorovodLaunchResult:
-    # The process-tree helpers are torchrun's launcher's: one implementation of "no survivors".
-    from distdoctor.launch import _descendants, _terminate
-
-    start = time.monotonic()
-    chunks: list[str] = []
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # Ctrl-C reaches this process, which stops the ranks itself
-    )
-    reader = threading.Thread(target=_pump, args=(proc.stdout, chunks, echo), daemon=True)
-    reader.start()
-    tracked: dict[int, int] = {}
-    timed_out = interrupted = False
-    try:
-        while True:
-            tracked.update(_descendants(proc.pid))
-            try:
-                proc.wait(timeout=_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() - start > timeout_s:
-                    timed_out = True
-                    break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        tracked.update(_descendants(proc.pid))
-        _terminate(proc, tracked)
-        reader.join(timeout=5.0)
-    output = "".join(chunks)
-    return HorovodLaunchResult(
-        returncode=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
-        timed_out=timed_out,
-        interrupted=interrupted,
-        duration_s=time.monotonic() - start,
-        rank_exitcodes=_exitcodes(output, proc.returncode, timed_out or interrupted),
-        rank_errors=_rank_errors(logs),
-        output=output,
-    )
-
-
-def _pump(stream, chunks: list[str], echo: bool) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        chunks.append(line)
-        if echo:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    stream.close()
 
 
 _EXIT_LINE = re.compile(r"^Process (?P<rank>\d+) exit with status code (?P<code>-?\d+)\.", re.MULTILINE)
 
 
-def _exitcodes(output: str, returncode: int | None, stopped: bool) -> dict[int, int]:
+def _exitcodes(output: str, returncode: int, stopped: bool) -> dict[int, int]:
     codes = {int(m["rank"]): int(m["code"]) for m in _EXIT_LINE.finditer(output)}
     if returncode == 0 and not stopped:
         ranks = {int(r) for r in re.findall(r"^\[(\d+)\]<std", output, re.MULTILINE)}
@@ -251,12 +165,11 @@ def _rank_errors(logs: Path) -> dict[int, str]:
     for rank_dir in logs.glob("rank.*"):
         try:
             rank = int(rank_dir.name.split(".", 1)[1])
-            text = (rank_dir / "stderr").read_text(errors="replace")
-        except (ValueError, OSError):
+        except ValueError:
             continue
-        start = text.rfind("Traceback (most recent call last):")
-        if start >= 0:
-            errors[rank] = text[start:].strip()
+        text = last_traceback(rank_dir / "stderr")
+        if text:
+            errors[rank] = text
     return errors
 
 
@@ -313,7 +226,7 @@ def _read_evidence(out: Path, nproc: int) -> dict[int, dict[str, Any]]:
     return evidence
 
 
-def judge_builtin(evidence: Mapping[int, Mapping[str, Any]], nproc: int, launch: HorovodLaunchResult) -> list[CheckResult]:
+def judge_builtin(evidence: Mapping[int, Mapping[str, Any]], nproc: int, launch: LaunchResult) -> list[CheckResult]:
     """The verdict of every built-in check from what the ranks wrote (pure: no processes, no torch)."""
     missing = [rank for rank in range(nproc) if rank not in evidence or "error" in evidence[rank]]
     if missing:
@@ -326,7 +239,7 @@ def judge_builtin(evidence: Mapping[int, Mapping[str, Any]], nproc: int, launch:
     ]
 
 
-def _launch_error(check_id: str, missing: list[int], evidence, launch: HorovodLaunchResult) -> CheckResult:
+def _launch_error(check_id: str, missing: list[int], evidence, launch: LaunchResult) -> CheckResult:
     ranks: dict[str, Any] = {}
     for rank in missing:
         error = (evidence.get(rank) or {}).get("error") or launch.rank_errors.get(rank, "")

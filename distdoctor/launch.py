@@ -11,6 +11,9 @@ things torchrun alone does not promise:
 - per-rank exit codes and tracebacks, read back from torchrun's failure summary, its `--log-dir`
   (`--redirects`) files and the per-rank error files written by `@record`.
 
+The first two hold for any launcher that starts ranks in sessions of their own: `run_process_tree`
+is also what `distdoctor.horovod_probe` runs horovodrun with, and `LaunchResult` what it returns.
+
 It never imports torch in the launcher process: torchrun runs as a child.
 """
 
@@ -59,12 +62,23 @@ class LaunchSpec:
 
 
 @dataclass(frozen=True)
-class LaunchResult:
-    """What one torchrun launch did, as far as the launcher could observe it.
+class TreeRun:
+    """How one bounded run of a launcher's process tree ended, and everything it printed."""
 
-    `rank_exitcodes` and `rank_errors` are keyed by global rank as torchrun reports it in its
-    failure summary (on one node, global rank == local rank). A timed-out or interrupted launch
-    has the ranks killed by this module, so their exit codes are not torchrun's to report.
+    returncode: int  # -SIGKILL when the launcher had to be killed
+    timed_out: bool
+    interrupted: bool
+    duration_s: float
+    output: str
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What one launch (torchrun, or horovodrun: `launcher`) did, as far as this process could observe it.
+
+    `rank_exitcodes` and `rank_errors` are keyed by global rank as the launcher reports it (torchrun
+    in its failure summary; on one node, global rank == local rank). A timed-out or interrupted
+    launch has the ranks killed by this module, so their exit codes are not the launcher's to report.
     """
 
     returncode: int
@@ -74,6 +88,13 @@ class LaunchResult:
     rank_exitcodes: dict[int, int]
     rank_errors: dict[int, str]
     output: str
+    launcher: str = "torchrun"
+
+    @classmethod
+    def of(cls, run: TreeRun, rank_exitcodes: dict[int, int], rank_errors: dict[int, str], launcher: str) -> LaunchResult:
+        """The result of `run`, with the per-rank outcome the launcher's own output and logs give."""
+        return cls(run.returncode, run.timed_out, run.interrupted, run.duration_s, rank_exitcodes, rank_errors,
+                   run.output, launcher)
 
     @property
     def ok(self) -> bool:
@@ -86,15 +107,18 @@ class LaunchResult:
         if self.interrupted:
             return "interrupted (Ctrl-C): every rank was stopped"
         if self.timed_out:
-            return f"the launch ran past its wall-clock limit after {self.duration_s:.1f} s: every rank was stopped"
-        port_error = port_in_use_message(self.output)
+            # A torchrun launch has always been "the launch" to the user; another launcher is named.
+            who = "the launch" if self.launcher == "torchrun" else self.launcher
+            return f"{who} ran past its wall-clock limit after {self.duration_s:.1f} s: every rank was stopped"
+        # The port hint names torchrun's --rdzv-endpoint: horovodrun picks its own ports.
+        port_error = port_in_use_message(self.output) if self.launcher == "torchrun" else ""
         if port_error:
             return port_error
         failed = {rank: code for rank, code in self.rank_exitcodes.items() if code != 0}
         if failed:
             parts = [f"rank {rank} exited with {describe_exitcode(code)}" for rank, code in sorted(failed.items())]
-            return "torchrun failed: " + "; ".join(parts)
-        return f"torchrun exited with status {self.returncode}"
+            return f"{self.launcher} failed: " + "; ".join(parts)
+        return f"{self.launcher} exited with status {self.returncode}"
 
 
 def describe_exitcode(code: int) -> str:
@@ -165,7 +189,11 @@ def launch(
     env.setdefault(COLLECTIVE_TIMEOUT_ENV, f"{collective_timeout_s(spec.timeout_s):.1f}")
     env.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        return _run_bounded(cmd, env, spec, logs, echo)
+        run = run_process_tree(cmd, env, spec.timeout_s, echo=echo)
+        rank_exitcodes = _exitcodes_from_summary(run.output)
+        if run.returncode == 0 and not (run.timed_out or run.interrupted) and spec.nnodes == 1:
+            rank_exitcodes = {rank: 0 for rank in range(spec.nproc)}
+        return LaunchResult.of(run, rank_exitcodes, _rank_errors(logs, run.output, spec), "torchrun")
     finally:
         if own_log_dir:
             shutil.rmtree(logs, ignore_errors=True)
@@ -180,7 +208,15 @@ def collective_timeout_s(timeout_s: float) -> float:
     return max(2.0, min(timeout_s * 0.5, timeout_s - 15.0))
 
 
-def _run_bounded(cmd: list[str], env: dict[str, str], spec: LaunchSpec, logs: Path, echo: bool) -> LaunchResult:
+def run_process_tree(cmd: list[str], env: Mapping[str, str], timeout_s: float, *, echo: bool = False) -> TreeRun:
+    """Run the launcher `cmd` and wait, at most `timeout_s`; then leave no process it started alive.
+
+    The launcher runs in a session of its own, so that Ctrl-C in the terminal reaches this process,
+    which stops the ranks itself. Launchers (torchrun, horovodrun) start each rank in yet another
+    session, so every process seen below the launcher is tracked while it runs and stopped one by
+    one (SIGTERM, then SIGKILL after TERMINATE_GRACE_S) on timeout, on Ctrl-C and after a normal
+    exit. stdout and stderr are combined into `output`; `echo` also streams them to stderr.
+    """
     start = time.monotonic()
     chunks: list[str] = []
     proc = subprocess.Popen(
@@ -193,7 +229,7 @@ def _run_bounded(cmd: list[str], env: dict[str, str], spec: LaunchSpec, logs: Pa
     )
     reader = threading.Thread(target=_pump, args=(proc.stdout, chunks, echo), daemon=True)
     reader.start()
-    tracked: dict[int, int] = {}  # pid -> start time, of torchrun and everything it started
+    tracked: dict[int, int] = {}  # pid -> start time, of the launcher and everything it started
     timed_out = interrupted = False
     try:
         while True:
@@ -202,7 +238,7 @@ def _run_bounded(cmd: list[str], env: dict[str, str], spec: LaunchSpec, logs: Pa
                 proc.wait(timeout=_POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                if time.monotonic() - start > spec.timeout_s:
+                if time.monotonic() - start > timeout_s:
                     timed_out = True
                     break
     except KeyboardInterrupt:
@@ -211,20 +247,12 @@ def _run_bounded(cmd: list[str], env: dict[str, str], spec: LaunchSpec, logs: Pa
         tracked.update(_descendants(proc.pid))
         _terminate(proc, tracked)
         reader.join(timeout=5.0)
-    duration = time.monotonic() - start
-    output = "".join(chunks)
-    rank_exitcodes = _exitcodes_from_summary(output)
-    if proc.returncode == 0 and not (timed_out or interrupted) and spec.nnodes == 1:
-        rank_exitcodes = {rank: 0 for rank in range(spec.nproc)}
-    rank_errors = _rank_errors(logs, output, spec)
-    return LaunchResult(
+    return TreeRun(
         returncode=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
         timed_out=timed_out,
         interrupted=interrupted,
-        duration_s=duration,
-        rank_exitcodes=rank_exitcodes,
-        rank_errors=rank_errors,
-        output=output,
+        duration_s=time.monotonic() - start,
+        output="".join(chunks),
     )
 
 
@@ -297,7 +325,7 @@ def _signal_all(proc: subprocess.Popen, pids: list[int], sig: int) -> None:
 
 
 def _terminate(proc: subprocess.Popen, tracked: dict[int, int]) -> None:
-    """Stop torchrun and every process it started: SIGTERM, then SIGKILL after a grace period."""
+    """Stop the launcher and every process it started: SIGTERM, then SIGKILL after a grace period."""
     survivors = _alive(tracked)
     if proc.poll() is None or survivors:
         _signal_all(proc, survivors, signal.SIGTERM)
@@ -400,7 +428,7 @@ def _rank_errors(logs: Path, output: str, spec: LaunchSpec) -> dict[int, str]:
         for rank_dir in attempt.iterdir():
             if not rank_dir.name.isdigit():
                 continue
-            text = _error_file_text(rank_dir / "error.json") or _last_traceback(rank_dir / "stderr.log")
+            text = _error_file_text(rank_dir / "error.json") or last_traceback(rank_dir / "stderr.log")
             if text:
                 local = int(rank_dir.name)
                 errors[to_global.get(local, local)] = text
@@ -419,7 +447,8 @@ def _error_file_text(path: Path) -> str:
     return str(message)
 
 
-def _last_traceback(path: Path) -> str:
+def last_traceback(path: Path) -> str:
+    """The last Python traceback in the log file `path` ('' when it has none or cannot be read)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:

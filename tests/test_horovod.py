@@ -101,6 +101,19 @@ def test_the_horovodrun_command_is_one_a_user_can_run(monkeypatch):
     assert cmd[-4:] == [sys.executable, "train.py", "--lr", "0.1"]
 
 
+def test_a_horovodrun_launch_names_horovodrun_when_it_fails():
+    # The result type is torchrun's; its messages name the launcher that ran (and give no torchrun hint).
+    from distdoctor.launch import LaunchResult
+
+    base = {"returncode": 1, "timed_out": False, "interrupted": False, "duration_s": 15.04, "rank_exitcodes": {},
+            "rank_errors": {}, "output": "Address already in use", "launcher": "horovodrun"}
+    assert LaunchResult(**base).failure_message() == "horovodrun exited with status 1"
+    assert LaunchResult(**{**base, "rank_exitcodes": {0: 0, 1: -9}}).failure_message() == (
+        "horovodrun failed: rank 1 exited with signal 9 (SIGKILL)")
+    assert LaunchResult(**{**base, "timed_out": True}).failure_message() == (
+        "horovodrun ran past its wall-clock limit after 15.0 s: every rank was stopped")
+
+
 # --- built-in probe, for real ------------------------------------------------------------------
 
 # Each planted fault and the verdicts it must produce (checks not named may go either way).
