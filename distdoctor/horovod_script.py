@@ -12,10 +12,6 @@ The same instrumentation and checks as for torchrun scripts (`distdoctor.script_
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -23,8 +19,10 @@ from typing import Any
 
 from distdoctor.horovod_probe import launch_horovod, require_horovod
 from distdoctor.instrument import protocol
-from distdoctor.launch import LaunchError, LaunchSpec
+from distdoctor.launch import LaunchError, LaunchResult, LaunchSpec
 from distdoctor.probe_report import CheckResult, Report
+from distdoctor.script_probe import observe_script, overhead, run_checks
+from distdoctor.script_trace import RunTrace
 
 HOROVOD_RECORD = "hvd"  # instrument.horovod_hooks.HOROVOD, without importing torch here
 
@@ -43,43 +41,25 @@ def run_horovod_script_probe(
     Raises `HorovodUnavailable` (exit 2 in the CLI) when Horovod is not installed and `LaunchError`
     for a multi-node request (horovodrun is driven on one node here).
     """
-    from distdoctor.script_probe import CHECK_MODULES, _run_check, overhead
-    from distdoctor.script_trace import RunTrace
-    from distdoctor.script_watch import StallWatcher
-
     require_horovod()
     if spec.nnodes > 1:
         raise LaunchError("Horovod scripts are probed on one node (horovodrun -np N); drop --nnodes")
-    script = os.path.abspath(script)
-    run_dir = Path(keep_run_dir or os.environ.get(protocol.RUN_DIR_ENV) or tempfile.mkdtemp(prefix="distdoctor-hvd-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*run_dir.glob("rank*.jsonl"), *run_dir.glob("stacks*.txt")]:
-        stale.unlink()
-    env = {**spec.env, protocol.RUN_DIR_ENV: str(run_dir), protocol.STEPS_ENV: str(steps),
-           protocol.FRAMEWORK_ENV: "horovod", "WORLD_SIZE": str(spec.nproc)}
-    watcher = StallWatcher(run_dir, script, spec.timeout_s)
-    started = time.monotonic()
-    watcher.start()
-    try:
-        result = launch_horovod(spec.nproc, ["-m", protocol.RUN_MODULE, script, *script_args],
-                                timeout_s=spec.timeout_s, env=env, echo=log_file is None)
-    finally:
-        stall = watcher.stop()
-    duration = time.monotonic() - started
-    if log_file:
-        Path(log_file).write_text(result.output)
-    try:
-        trace = RunTrace.load(run_dir, script, spec.nproc, steps, stall=stall, timed_out=result.timed_out,
-                              launch_failure=result.failure_message(), rank_errors=result.rank_errors)
-        checks = tuple(_run_check(name, trace) for name in CHECK_MODULES)
-        events = horovod_events(run_dir)
-    finally:
-        if not keep_run_dir and protocol.RUN_DIR_ENV not in os.environ:
-            shutil.rmtree(run_dir, ignore_errors=True)
-    checks = tuple(sharpen(check, events, trace.site) for check in checks)
-    return Report(mode="script", backend="gloo", world_size=spec.nproc, duration_s=duration, checks=checks,
-                  extra={"script": script, "steps": steps, "framework": "horovod", "launcher": "horovodrun",
-                         "overhead": overhead(trace), "interrupted": result.interrupted})
+    run = observe_script(script, script_args, spec, steps=steps, framework="horovod", start_ranks=_start_horovodrun,
+                         judge=_judge, log_file=log_file, keep_run_dir=keep_run_dir)
+    return Report(mode="script", backend="gloo", world_size=spec.nproc, duration_s=run.duration_s, checks=run.checks,
+                  extra={"script": run.script, "steps": steps, "framework": "horovod", "launcher": "horovodrun",
+                         "overhead": overhead(run.trace), "interrupted": run.launch.interrupted})
+
+
+def _start_horovodrun(spec: LaunchSpec, target: Sequence[str], *, echo: bool) -> LaunchResult:
+    # horovodrun does not set WORLD_SIZE, which the instrumentation's start record reads.
+    env = {**spec.env, "WORLD_SIZE": str(spec.nproc)}
+    return launch_horovod(spec.nproc, target, timeout_s=spec.timeout_s, env=env, echo=echo)
+
+
+def _judge(trace: RunTrace, run_dir: Path) -> tuple[CheckResult, ...]:
+    events = horovod_events(run_dir)
+    return tuple(sharpen(check, events, trace.site) for check in run_checks(trace))
 
 
 def horovod_events(run_dir: Path) -> dict[int, list[dict[str, Any]]]:

@@ -10,6 +10,9 @@ How the pieces meet:
   rather than a TCP store because they survive a rank being killed and need no extra port; a
   multi-node run needs the run directory on a shared filesystem (`DISTDOCTOR_RUN_DIR`).
 - While the job runs, `script_watch.StallWatcher` follows the files and ends a stalled job.
+
+`observe_script` is that whole run for any launcher: `distdoctor.horovod_script` calls it with
+horovodrun and adds what the Horovod records say.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from distdoctor.instrument import protocol
-from distdoctor.launch import LaunchError, LaunchSpec, launch
+from distdoctor.launch import LaunchError, LaunchResult, LaunchSpec, launch
 from distdoctor.probe_report import CheckResult, Report
 from distdoctor.script_trace import RunTrace
 from distdoctor.script_watch import StallWatcher
@@ -34,6 +37,17 @@ from distdoctor.script_watch import StallWatcher
 CHECK_MODULES = ("param_sync", "grad_sync", "epoch_shuffle", "data_shard", "desync", "loss")
 CHECK_IDS = ("param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss")
 FRAMEWORKS = ("torch", "horovod")
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """What one observed run of a script gave: the launch, the ranks' trace and the checks' verdicts."""
+
+    script: str  # absolute path
+    launch: LaunchResult
+    trace: RunTrace
+    checks: tuple[CheckResult, ...]
+    duration_s: float
 
 
 def run_script_probe(
@@ -62,6 +76,34 @@ def run_script_probe(
 
         return run_horovod_script_probe(script, script_args, spec, steps=steps, log_file=log_file,
                                         keep_run_dir=keep_run_dir)
+    run = observe_script(script, script_args, spec, steps=steps, framework=framework, start_ranks=launch,
+                         log_file=log_file, keep_run_dir=keep_run_dir)
+    backend = next((t.backend for t in run.trace.ranks.values() if t.backend), spec.backend)
+    return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=run.duration_s,
+                  checks=run.checks, extra={"script": run.script, "steps": steps, "overhead": overhead(run.trace),
+                                            "interrupted": run.launch.interrupted})
+
+
+def observe_script(
+    script: str,
+    script_args: Sequence[str],
+    spec: LaunchSpec,
+    *,
+    steps: int,
+    framework: str,
+    start_ranks: Callable[..., LaunchResult],
+    judge: Callable[[RunTrace, Path], tuple[CheckResult, ...]] | None = None,
+    log_file: str | None = None,
+    keep_run_dir: str | None = None,
+) -> ScriptRun:
+    """Run `script` on every rank, observed by `distdoctor.instrument`, and judge what the ranks recorded.
+
+    `start_ranks(spec, target, echo=...)` is the launcher (`distdoctor.launch.launch` for torchrun);
+    `spec.env` carries the run directory, the step budget and the framework to the ranks.
+    `judge(trace, run_dir)` gives the verdicts (every check of CHECK_MODULES when None); it runs
+    while the ranks' records are still there: the run directory is removed afterwards unless it is
+    kept (`keep_run_dir`, or `DISTDOCTOR_RUN_DIR` set by the user).
+    """
     script = os.path.abspath(script)
     run_dir = Path(keep_run_dir or os.environ.get(protocol.RUN_DIR_ENV) or tempfile.mkdtemp(prefix="distdoctor-probe-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,8 +115,8 @@ def run_script_probe(
     started = time.monotonic()
     watcher.start()
     try:
-        result = launch(replace(spec, env=env), ["-m", protocol.RUN_MODULE, script, *script_args],
-                        echo=log_file is None)
+        result = start_ranks(replace(spec, env=env), ["-m", protocol.RUN_MODULE, script, *script_args],
+                             echo=log_file is None)
     finally:
         stall = watcher.stop()
     duration = time.monotonic() - started
@@ -84,14 +126,16 @@ def run_script_probe(
         trace = RunTrace.load(run_dir, script, spec.nproc * spec.nnodes, steps, stall=stall,
                               timed_out=result.timed_out, launch_failure=result.failure_message(),
                               rank_errors=result.rank_errors)
-        checks = tuple(_run_check(name, trace) for name in CHECK_MODULES)
+        checks = judge(trace, run_dir) if judge is not None else run_checks(trace)
     finally:
         if not keep_run_dir and protocol.RUN_DIR_ENV not in os.environ:
             shutil.rmtree(run_dir, ignore_errors=True)
-    backend = next((t.backend for t in trace.ranks.values() if t.backend), spec.backend)
-    return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=duration,
-                  checks=checks, extra={"script": script, "steps": steps, "overhead": overhead(trace),
-                                        "interrupted": result.interrupted})
+    return ScriptRun(script=script, launch=result, trace=trace, checks=checks, duration_s=duration)
+
+
+def run_checks(trace: RunTrace) -> tuple[CheckResult, ...]:
+    """Every script check's verdict on `trace`, in report order."""
+    return tuple(_run_check(name, trace) for name in CHECK_MODULES)
 
 
 def _run_check(module_name: str, trace: RunTrace) -> CheckResult:
