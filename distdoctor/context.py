@@ -584,3 +584,12 @@ def wrapper_holding(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value
         if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
             return other
     return None
+
+
+def is_lr_slot(target: cst.BaseExpression) -> bool:
+    """`group["lr"]` / `optimizer.param_groups[0]["lr"]`: an assignment target that sets a
+    learning rate."""
+    if not isinstance(target, cst.Subscript) or len(target.slice) != 1:
+        return False
+    index = target.slice[0].slice
+    return isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString) and index.value.evaluated_value == "lr"

@@ -123,32 +123,17 @@ def _syntax_finding(path: str, exc: Exception) -> Finding:
     line = getattr(exc, "raw_line", None) or getattr(exc, "lineno", None) or 1
     column = (getattr(exc, "raw_column", None) or 0) + 1
     message = getattr(exc, "message", None) or str(exc).splitlines()[0]
-    return Finding(
-        code=SYNTAX_ERROR[0],
-        name=SYNTAX_ERROR[1],
-        severity="error",
-        message=f"cannot parse this file: {message}",
-        path=path,
-        line=line,
-        column=column,
-        end_line=line,
-        end_column=column,
-    )
+    return _dd000(path, f"cannot parse this file: {message}", line, column)
 
 
 def _unreadable_finding(path: str, exc: Exception) -> Finding:
     reason = f"not UTF-8 text ({exc.reason} at byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else str(exc)
-    return Finding(
-        code=SYNTAX_ERROR[0],
-        name=SYNTAX_ERROR[1],
-        severity="error",
-        message=f"cannot read this file: {reason}",
-        path=path,
-        line=1,
-        column=1,
-        end_line=1,
-        end_column=1,
-    )
+    return _dd000(path, f"cannot read this file: {reason}", 1, 1)
+
+
+def _dd000(path: str, message: str, line: int, column: int) -> Finding:
+    code, name = SYNTAX_ERROR
+    return Finding(code, name, "error", message, path, line, column, line, column)
 
 
 def _noqa_by_line(source: str) -> dict[int, tuple[str, ...] | None]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor import flow
-from distdoctor.context import LintContext
+from distdoctor.context import LintContext, is_lr_slot
 from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
 
@@ -268,13 +268,6 @@ def _lr_rescaled_later(ctx: LintContext) -> bool:
             if not isinstance(node, cst.Assign):
                 continue
             for target in node.targets:
-                if (
-                    isinstance(target.target, cst.Subscript)
-                    and len(target.target.slice) == 1
-                    and isinstance(target.target.slice[0].slice, cst.Index)
-                    and isinstance(target.target.slice[0].slice.value, cst.SimpleString)
-                    and target.target.slice[0].slice.value.evaluated_value == "lr"
-                    and _scaled(ctx, trace, step, node.value)
-                ):
+                if is_lr_slot(target.target) and _scaled(ctx, trace, step, node.value):
                     return True
     return False

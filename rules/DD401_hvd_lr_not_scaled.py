@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 import libcst as cst
 
 from distdoctor import flow
-from distdoctor.context import LintContext
+from distdoctor.context import LintContext, is_lr_slot
 from distdoctor.flow import Step, Trace
 from distdoctor.rule import Example, Report, Rule
 
@@ -216,7 +216,7 @@ class HorovodLrNotScaled(Rule):
             node = step.node
             if isinstance(node, (cst.Assign, cst.AugAssign)):
                 targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-                if any(_is_lr_slot(t) for t in targets) and ctx.scales_with_world_size(trace, step, node.value):
+                if any(is_lr_slot(t) for t in targets) and ctx.scales_with_world_size(trace, step, node.value):
                     return True
             for call in flow.own_calls(node):
                 qual = ctx.qualname(call.func) or ""
@@ -244,13 +244,6 @@ def _factor_uses_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.Base
             isinstance(node, cst.Call) and ctx.qualname(node.func) in _SIZE_QUALS for node in flow.walk(body)
         )
     return False
-
-
-def _is_lr_slot(target: cst.BaseExpression) -> bool:
-    if not isinstance(target, cst.Subscript) or len(target.slice) != 1:
-        return False
-    index = target.slice[0].slice
-    return isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString) and index.value.evaluated_value == "lr"
 
 
 def _optimizer_creations(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 import libcst as cst
 
 from distdoctor import flow
-from distdoctor.context import LintContext
+from distdoctor.context import LintContext, is_lr_slot
 from distdoctor.flow import Step, Trace
 from distdoctor.names import dotted
 from distdoctor.rule import Example, Report, Rule
@@ -202,15 +202,8 @@ def _learning_rates(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.BaseExp
                 if lr is not None:
                     yield trace, step, lr
         for step in trace.steps:
-            if isinstance(step.node, cst.Assign) and any(_is_lr_slot(t.target) for t in step.node.targets):
+            if isinstance(step.node, cst.Assign) and any(is_lr_slot(t.target) for t in step.node.targets):
                 yield trace, step, step.node.value
-
-
-def _is_lr_slot(target: cst.BaseExpression) -> bool:
-    if not isinstance(target, cst.Subscript) or len(target.slice) != 1:
-        return False
-    index = target.slice[0].slice
-    return isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString) and index.value.evaluated_value == "lr"
 
 
 def _multiplies_by_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
