@@ -12,7 +12,10 @@ from distdoctor.flow import Step, Trace
 from distdoctor.rule import Example, Report, Rule
 
 # Any of these attributes in the code means the script controls gradient sync itself.
-SYNC_CONTROL = frozenset({"no_sync", "require_backward_grad_sync", "accumulate"})
+SYNC_CONTROL = frozenset({"no_sync", "require_backward_grad_sync"})
+# ... and so does a call of one of these methods (`with accelerator.accumulate(model):`); as a
+# plain attribute (`self.accumulate = 8`, an accumulation count) it says nothing about sync.
+SYNC_CONTROL_CALLS = frozenset({"accumulate"})
 
 
 class AccumulationWithoutNoSync(Rule):
@@ -22,7 +25,9 @@ class AccumulationWithoutNoSync(Rule):
     `backward()` runs for every micro-batch while the optimizer steps only every k of them (the
     step under `if (i + 1) % accum == 0:`, or the backward in an inner micro-batch loop that the
     step follows), and the script never uses `model.no_sync()` (or sets
-    `require_backward_grad_sync`). The finding points at the backward call.
+    `require_backward_grad_sync`, or calls `accelerator.accumulate(model)`). An attribute that
+    merely holds the accumulation count (`self.accumulate = 8`) is no sync control. The finding
+    points at the backward call.
 
     ## Why is this bad?
     DDP all-reduces the gradients in every backward pass it sees. With accumulation only the last
@@ -118,6 +123,25 @@ class AccumulationWithoutNoSync(Rule):
                             self.optimizer.zero_grad()
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def __init__(self, net, gpu, accumulate=8):
+                    self.model = DDP(net.cuda(gpu), device_ids=[gpu])
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+                    self.accumulate = accumulate
+
+                def epoch(self, loader):
+                    for i, (x, y) in enumerate(loader):
+                        (self.model(x, y) / self.accumulate).backward()  # expect: DD103
+                        if (i + 1) % self.accumulate == 0:
+                            self.optimizer.step()
+                            self.optimizer.zero_grad()
+            """
+        ),
     )
     valid = (
         Example(
@@ -169,6 +193,23 @@ class AccumulationWithoutNoSync(Rule):
                     scheduler.step()
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for i, (x, y) in enumerate(loader):
+                with accelerator.accumulate(model):
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                if (i + 1) % 4 == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -195,7 +236,10 @@ def _controls_sync(ctx: LintContext) -> bool:
             return True
         if isinstance(node, cst.Name) and "no_sync" in node.value:
             return True
-    return False
+    return any(
+        isinstance(call.func, cst.Attribute) and call.func.attr.value in SYNC_CONTROL_CALLS
+        for call in ctx.nodes(cst.Call)
+    )
 
 
 def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
