@@ -20,7 +20,8 @@ class CompileBeforeDDP(Rule):
     """
     ## What it does
     Flags `torch.compile(model)` whose result is then wrapped in `DistributedDataParallel`
-    (directly, through a variable, or through a helper's parameter).
+    (directly, through a variable, through a helper's parameter, or as what a builder of the same
+    module returns: `DDP(build_model(), ...)` where `build_model` ends in `return torch.compile(m)`).
 
     ## Why is this bad?
     The PyTorch documentation of DDP with TorchDynamo says to apply the DDP wrapper first and
@@ -84,6 +85,19 @@ class CompileBeforeDDP(Rule):
                 model = wrap(compiled, rank)
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            def build_model(compile_model=True):
+                model = Net()
+                if compile_model:
+                    model = torch.compile(model)  # expect: DD107
+                return model
+            def main(gpu):
+                model = DDP(build_model().cuda(gpu), device_ids=[gpu])
+            """
+        ),
     )
     valid = (
         Example(
@@ -115,6 +129,18 @@ class CompileBeforeDDP(Rule):
             model = DDP(torch.compile(Net()))
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            def build_model():
+                model = Net()
+                model.loss = torch.compile(model.loss)
+                return model
+            def main(gpu):
+                model = torch.compile(DDP(build_model().cuda(gpu), device_ids=[gpu]))
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -141,7 +167,13 @@ def _compile_call(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpr
     while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in PASSTHROUGH:
         expr = expr.func.value
     if isinstance(expr, cst.Call):
-        return expr if ctx.qualname(expr.func) == COMPILE else None
+        if ctx.qualname(expr.func) == COMPILE:
+            return expr
+        # A builder of this module (`wrap(build_model(), gpu)`): what its last `return` gives back.
+        returns = [s for s in trace.steps[: step.index] if s.frame.call is expr and isinstance(s.node, cst.Return)]
+        if returns and returns[-1].node.value is not None:
+            return _compile_call(ctx, trace, returns[-1], returns[-1].node.value, depth + 1)
+        return None
     if isinstance(expr, (cst.Name, cst.Attribute)):
         found = ctx.binding(trace, step, expr)
         if found is not None:
