@@ -32,6 +32,12 @@ class Step:
     grad: tuple[tuple[float, float] | None, ...]
     param: tuple[tuple[float, float], ...]
     param0: tuple[tuple[float, float], ...] | None
+    forwards: int = 0  # training forwards through a DDP wrapper since the rank started
+
+    @property
+    def made(self) -> tuple[int, int, int]:
+        """(backward passes, collectives, DDP training forwards) since the rank started."""
+        return (self.backward, self.collectives, self.forwards)
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ def _step(record: dict[str, Any]) -> Step:
         grad=_pairs(record.get("grad", ())) or (),
         param=_pairs(record.get("param", ())) or (),
         param0=_pairs(record.get("param0")),
+        forwards=int(record.get("dfwd", 0)),
     )
 
 
@@ -169,16 +176,40 @@ class RunTrace:
         return sorted(self.ranks)
 
     def aligned_steps(self) -> int:
-        """How many primary optimizer steps every rank made in lockstep (same backward passes and
-        collectives in each): beyond this, step n on one rank is not step n on another."""
+        """How many primary optimizer steps every rank made in lockstep (same backward passes,
+        collectives and DDP training forwards in each): beyond this, step n on one rank is not step
+        n on another."""
         lists = [t.primary_steps() for t in self.ranks.values()]
         if not lists:
             return 0
         common = min(len(steps) for steps in lists)
         for i in range(common):
-            if len({(steps[i].backward, steps[i].collectives) for steps in lists}) > 1:
+            if len({steps[i].made for steps in lists}) > 1:
                 return i
         return common
+
+    def parted_in_open_step(self) -> bool:
+        """Whether a rank that never finished step `common + 1` had already made more backward
+        passes or collectives in it than a rank that finished that step made in all of it (an extra
+        collective under `if rank == 0` that blocks its rank before the step)."""
+        lists = {r: t.primary_steps() for r, t in self.ranks.items()}
+        if not lists:
+            return False
+        common = min(len(steps) for steps in lists.values())
+        if self.aligned_steps() < common:
+            return False
+        done = [steps[common].made for steps in lists.values() if len(steps) > common]
+        partial = [self.ranks[r].progress[1:] for r, steps in lists.items() if len(steps) == common]
+        return any(p[0] > d[0] or p[1] > d[1] for p in partial for d in done)
+
+    def made_by_step(self, rank: int, index: int) -> tuple[int, int, int]:
+        """A rank's cumulative (backward, collectives, DDP forwards) at the end of step index+1, or
+        so far when it never finished that step (the forwards of an unfinished step are not known)."""
+        steps = self.ranks[rank].primary_steps()
+        if index < len(steps):
+            return steps[index].made
+        progress = self.ranks[rank].progress
+        return (progress[1], progress[2], steps[-1].forwards if steps else 0)
 
     def site(self, site: str) -> str:
         """A call site as the report shows it: relative to the script's folder."""

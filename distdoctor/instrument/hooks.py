@@ -168,6 +168,7 @@ class Probe:
         self.losses: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
         self.forward_depth = 0
+        self.ddp_forwards = 0  # training forwards through a DDP wrapper: each prepares a reduction
         self.models: list[weakref.ref[torch.nn.Module]] = []
         self.model_ids: set[int] = set()
         self.ddp_modules: list[weakref.ref[torch.nn.Module]] = []
@@ -274,7 +275,8 @@ class Probe:
         values += self.inputs
         self.losses, self.inputs = [], []
         record = {"e": protocol.STEP, "t": round(time.time(), 4), "opt": index, "n": n,
-                  "bwd": self.backward_count, "coll": self.collective_count, "site": site,
+                  "bwd": self.backward_count, "coll": self.collective_count, "dfwd": self.ddp_forwards,
+                  "site": site,
                   "grad_mask": grad_mask}
         self.pending = (record, _DeviceValues(values), layout)
         if not any(v.is_cuda for v in values[:1]):
@@ -306,17 +308,22 @@ class Probe:
 
     # --- forward -------------------------------------------------------------------------------
 
+    def _add_model(self, module: torch.nn.Module, site: str) -> None:
+        self.model_ids.add(id(module))
+        self.models.append(weakref.ref(module))
+        module.register_forward_pre_hook(self.on_model_forward, with_kwargs=True)
+        self.write("model", index=len(self.models) - 1, cls=type(module).__name__,
+                   inner=type(getattr(module, "module", module)).__name__, site=site)
+
     def on_global_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.forward_depth += 1
         if self.forward_depth == 1 and id(module) not in self.model_ids:
             began = time.perf_counter()
             if next(iter(module.parameters()), None) is not None:  # a loss module is not "the model"
-                self.model_ids.add(id(module))
-                self.models.append(weakref.ref(module))
-                module.register_forward_pre_hook(self.on_model_forward, with_kwargs=True)
-                self.on_model_forward(module, args, {})  # the instance hook only runs from the next call
-                self.write("model", index=len(self.models) - 1, cls=type(module).__name__,
-                           inner=type(getattr(module, "module", module)).__name__, site=user_site(3))
+                self._add_model(module, user_site(3))
+                # The instance hook only runs from the next call, and a global pre-hook is not given
+                # the keyword arguments: read them from Module._call_impl's frame (model(**batch)).
+                self.on_model_forward(module, args, _call_kwargs(module))
             self.hook_s += time.perf_counter() - began
 
     def on_global_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -326,6 +333,8 @@ class Probe:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation may legitimately see the same data on every rank
         began = time.perf_counter()
+        if isinstance(module, _ddp_class()):
+            self.ddp_forwards += 1
         hashed = _input_hash(args, kwargs)
         if hashed is not None:
             self.inputs += hashed
@@ -345,6 +354,8 @@ class Probe:
         self.ddp_modules.append(weakref.ref(ddp))
         self.write(protocol.DDP, site=user_site(3), cls=type(module).__name__,
                    names=[n for n, _ in covered], init_sync=init_sync)
+        if id(ddp) not in self.model_ids:  # watched from its first forward, keyword arguments included
+            self._add_model(ddp, user_site(3))
 
     def on_sampler_iter(self, sampler: Any) -> None:
         index = self.samplers.setdefault(id(sampler), len(self.samplers))
@@ -422,6 +433,20 @@ class Probe:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.write(protocol.ERROR, type=type(exc).__name__, message=str(exc)[:2000], site=site,
                    traceback=text[-6000:], **self.summary())
+
+
+def _call_kwargs(module: torch.nn.Module) -> dict[str, Any]:
+    """The keyword arguments `module` is being called with, from the frame of `Module._call_impl`
+    (or its inner closure) that called the global forward pre-hooks; {} where it cannot be found."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        local = frame.f_locals
+        if local.get("self") is module and isinstance(local.get("kwargs"), dict):
+            return local["kwargs"]
+        frame = frame.f_back
+    return {}
 
 
 def _ddp_class() -> type:

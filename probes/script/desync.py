@@ -27,40 +27,61 @@ def _between(trace: RankTrace, lo: int, hi: int, kind: str) -> list[str]:
             for n in range(lo + 1, hi + 1)]
 
 
+def _delta(trace: RunTrace, rank: int, index: int) -> tuple[int, int, int]:
+    """What a rank made during step index+1 (backward passes, collectives, DDP training forwards)."""
+    now = trace.made_by_step(rank, index)
+    before = trace.made_by_step(rank, index - 1) if index else (0, 0, 0)
+    return (now[0] - before[0], now[1] - before[1], now[2] - before[2])
+
+
 def _parted_at_step(trace: RunTrace, index: int) -> CheckResult:
     step = index + 1
-    made: dict[int, tuple[int, int]] = {}
+    made: dict[int, tuple[int, int, int]] = {}
     sites: dict[int, tuple[list[str], list[str]]] = {}
+    unfinished = {r for r, t in trace.ranks.items() if len(t.primary_steps()) <= index}
     for rank, t in trace.ranks.items():
-        steps = t.primary_steps()
-        prev = steps[index - 1] if index else None
-        b0, c0 = (prev.backward, prev.collectives) if prev else (0, 0)
-        made[rank] = (steps[index].backward - b0, steps[index].collectives - c0)
-        sites[rank] = (_between(t, b0, steps[index].backward, "bwd"), _between(t, c0, steps[index].collectives, "coll"))
-    groups = group_ranks(made, lambda a, b: a == b)
+        made[rank] = _delta(trace, rank, index)
+        b0, c0, _ = trace.made_by_step(rank, index - 1) if index else (0, 0, 0)
+        b1, c1, _ = trace.made_by_step(rank, index)
+        sites[rank] = (_between(t, b0, b1, "bwd"), _between(t, c0, c1, "coll"))
+    # The DDP forwards of a step a rank never finished are unknown: compare them only between ranks
+    # that finished it.
+    key = {r: (m if r not in unfinished else m[:2]) for r, m in made.items()}
+    groups = group_ranks(key, lambda a, b: a == b if len(a) == len(b) else a[:2] == b[:2])
     if len(groups) > 1 and len(groups[0]) == len(groups[1]) and index:
-        # A tie (two ranks): the ranks that did what they did at the previous step are the norm.
-        before = {r: (t.primary_steps()[index - 1].backward - (t.primary_steps()[index - 2].backward if index > 1 else 0),
-                      t.primary_steps()[index - 1].collectives - (t.primary_steps()[index - 2].collectives if index > 1 else 0))
-                  for r, t in trace.ranks.items()}
-        groups.sort(key=lambda g: (-len(g), made[g[0]] != before[g[0]], g[0]))
+        # A tie (two ranks): the ranks that did at this step what they did at the previous one are
+        # the norm; the odd one skipped a backward pass, or made an extra forward or collective.
+        before = {r: _delta(trace, r, index - 1) for r in trace.ranks}
+
+        def deviates(rank: int) -> bool:
+            n = 2 if rank in unfinished else 3
+            return made[rank][:n] != before[rank][:n]
+
+        groups.sort(key=lambda g: (-len(g), deviates(g[0]), g[0]))
     odd = odd_ranks(groups)
 
     def show(rank: int) -> str:
-        backward, colls = made[rank]
+        backward, colls, forwards = made[rank]
         bsites = sorted({trace.site(s) for s in sites[rank][0]})
         csites = sorted({c.split("@")[0] + " at " + trace.site(c.split("@", 1)[1]) for c in sites[rank][1]})
         text = f"{backward} backward pass(es)" + (f" ({', '.join(bsites)})" if bsites else "")
         if colls or any(made[r][1] for r in made):
             text += f", {colls} collective(s)" + (f" ({', '.join(csites)})" if csites else "")
+        if rank in unfinished:
+            text += f" and never reached the step ({trace.ranks[rank].where(trace.script.rpartition('/')[0] or None)})"
+        elif len({made[r][2] for r in made if r not in unfinished}) > 1:
+            text += f", {forwards} training forward(s) through DDP"
         return text
 
     parts = "; ".join(f"rank {','.join(map(str, g))} made {show(g[0])}" for g in groups)
-    step_site = trace.site(trace.ranks[groups[0][0]].primary_steps()[index].site)
+    finished = [g[0] for g in groups if g[0] not in unfinished] or [groups[0][0]]
+    steps = trace.ranks[finished[0]].primary_steps()
+    step_site = trace.site(steps[index].site) if index < len(steps) else "?"
     summary = f"ranks parted before optimizer step {step} ({step_site}): {parts}"
     return CheckResult(ID, "fail", summary, ranks=_evidence(trace),
                        details={"step": step, "ranks": odd, "groups": groups,
-                                "made": {str(r): {"backward": m[0], "collectives": m[1]} for r, m in made.items()}})
+                                "made": {str(r): {"backward": m[0], "collectives": m[1], "ddp_forwards": m[2]}
+                                         for r, m in made.items()}})
 
 
 def _evidence(trace: RunTrace) -> dict[str, dict]:
@@ -93,7 +114,7 @@ def run(trace: RunTrace) -> CheckResult:
     missing = [r for r in range(trace.world_size) if r not in trace.ranks]
     common = min(len(t.primary_steps()) for t in trace.ranks.values())
     aligned = trace.aligned_steps()
-    if aligned < common:
+    if aligned < common or trace.parted_in_open_step():
         return _parted_at_step(trace, aligned)
     root = trace.script.rpartition("/")[0] or None
     progress = {r: t.progress for r, t in trace.ranks.items()}
