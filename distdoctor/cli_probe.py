@@ -7,6 +7,7 @@ Exit status: 0 no check fails, 1 a check fails, 2 usage or launch error, 130 int
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -109,6 +110,12 @@ def dispatch(
     echo: bool,
 ) -> Report:
     """Run the probe the options select: a user's script, the Horovod built-in, or the torch built-in."""
+    if importlib.util.find_spec("torch") is None:
+        # Checked here, without importing torch: otherwise torchrun itself fails to start.
+        raise ProbeUnavailable(
+            "torch is not installed in this environment: the probe launches real trainings. "
+            "Install torch for your platform, then `pip install 'distdoctor[probe]'`"
+        )
     if framework == "horovod":
         from distdoctor.horovod_probe import require_horovod
 

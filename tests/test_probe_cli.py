@@ -187,3 +187,11 @@ def test_sampler_verdict_catches_overlapping_shards():
     overlap = {r: {"epochs": [list(range(size // 2 + 1)), list(range(size // 2 + 1))[::-1]]} for r in (0, 1)}
     result = sampler.verdict(overlap, 2)
     assert result.status == "fail" and "on no rank" in result.summary and "several ranks" in result.summary
+
+
+def test_without_torch_the_probe_says_so_instead_of_failing_to_launch(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(cli_probe.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    result = CliRunner().invoke(main, ["probe", "--nproc", "2"])
+    assert result.exit_code == 2
+    assert "torch is not installed" in result.output and "distdoctor[probe]" in result.output
