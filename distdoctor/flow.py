@@ -554,6 +554,15 @@ def argument(call: cst.Call, position: int, name: str) -> cst.BaseExpression | N
     return positional[position].value if position < len(positional) else None
 
 
+def arg_node(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
+    """The `Arg` of `call` that holds `expr` (what a finding about that argument points at, and
+    what a fix rewrites), or the call itself when `expr` is not one of its arguments."""
+    for arg in call.args:
+        if arg.value is expr:
+            return arg
+    return call
+
+
 def environ_name(node: cst.CSTNode, ctx: ModuleInfo) -> str | None:
     """`RANK` for `os.environ["RANK"]`, `os.environ.get("RANK")`, `os.getenv("RANK", 0)`."""
     if isinstance(node, cst.Subscript):

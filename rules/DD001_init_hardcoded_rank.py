@@ -187,7 +187,7 @@ class InitHardcodedRank(Rule):
             if rank_expr is not None and _literal_rank(trace, step, rank_expr) and not _is_one(world):
                 reported.add(id(call))
                 yield Report(
-                    _arg_of(call, rank_expr),
+                    flow.arg_node(call, rank_expr),
                     f"init_process_group() gets the fixed rank `{ctx.code(rank_expr)}`: every process "
                     "claims the same rank and rendezvous hangs. Pass each process's own rank "
                     '(int(os.environ["RANK"]), or the mp.spawn index), or leave rank and world_size '
@@ -203,7 +203,7 @@ class InitHardcodedRank(Rule):
                 continue
             reported.add(id(call))
             yield Report(
-                _arg_of(call, world_expr),
+                flow.arg_node(call, world_expr),
                 "world_size is the number of GPUs on this machine, but the launcher (torchrun, "
                 "env://) starts processes on every node and sets WORLD_SIZE: on more than one node "
                 "rendezvous never completes. Use int(os.environ[\"WORLD_SIZE\"]), or leave "
@@ -262,10 +262,3 @@ def _starts_processes(ctx: LintContext) -> bool:
         if qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")):
             return True
     return False
-
-
-def _arg_of(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
-    for arg in call.args:
-        if arg.value is expr:
-            return arg
-    return call

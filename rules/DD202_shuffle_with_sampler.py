@@ -183,7 +183,7 @@ class ShuffleWithSampler(Rule):
                     continue
             reported.add(id(call))
             yield Report(
-                _arg_of(call, shuffle),
+                flow.arg_node(call, shuffle),
                 f"DataLoader gets shuffle=True and a {which}: it raises ValueError (mutually exclusive) "
                 f"before the first batch. The {which} does the shuffling: pass "
                 f"shuffle=({ctx.code(sampler)} is None) or shuffle=False."
@@ -222,10 +222,3 @@ def _fix(ctx: LintContext, shuffle: cst.BaseExpression, sampler: cst.BaseExpress
         message=f"shuffle={text}",
         edits=(Edit(pos.start.line, pos.start.column + 1, pos.end.line, pos.end.column + 1, text),),
     )
-
-
-def _arg_of(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
-    for arg in call.args:
-        if arg.value is expr:
-            return arg
-    return call

@@ -165,7 +165,7 @@ class SamplerSeedDiffersPerRank(Rule):
                 continue
             reported.add(id(call))
             yield Report(
-                _arg_of(call, seed),
+                flow.arg_node(call, seed),
                 f"the DistributedSampler seed `{ctx.code(seed)}` depends on {cause}, so it differs "
                 "between ranks: each rank shuffles differently before taking its slice, and the "
                 "shards overlap while other samples are never seen. Give every rank the same seed "
@@ -210,10 +210,3 @@ def _varies(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression
         if value.kind == flow.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)) and value.node.value is not None:
             return _varies(ctx, trace, step, value.node.value, depth + 1)
     return None
-
-
-def _arg_of(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
-    for arg in call.args:
-        if arg.value is expr:
-            return arg
-    return call
