@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Severity = Literal["error", "warning", "info"]
-SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
 
 @dataclass(frozen=True)

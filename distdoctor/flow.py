@@ -41,7 +41,6 @@ INSTANCE = "instance"  # an instance of a class of this module; attrs["class"]
 TUPLE = "tuple"  # items
 CONST = "const"  # a literal; attrs["value"]
 PARAMS = "params"  # model.parameters() / named_parameters() / state_dict(); inner = the model
-DISTRIBUTED_APIS = ("torch.distributed", "horovod")
 
 RANK_NAMES = frozenset({"rank", "global_rank", "world_rank", "ddp_rank", "grank", "rank_id"})
 LOCAL_RANK_NAMES = frozenset({"local_rank", "ddp_local_rank", "localrank", "local_rank_id", "lrank"})

@@ -92,9 +92,6 @@ class ImportTable:
             return None
         return canonical(f"{target}.{rest}" if rest else target)
 
-    def is_(self, node: cst.CSTNode, *qualnames: str) -> bool:
-        return self.qualname(node) in qualnames
-
     def imports_any(self, prefixes: Iterable[str]) -> bool:
         return any(t == p or t.startswith(p + ".") for t in self.aliases.values() for p in prefixes)
 

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Status = Literal["pass", "fail", "warn", "skip", "error"]
-STATUSES: tuple[str, ...] = ("pass", "fail", "warn", "skip", "error")
 
 
 @dataclass(frozen=True)

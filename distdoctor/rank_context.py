@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,4 +136,3 @@ def synchronize(ctx: RankContext) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-Check = Callable[[RankContext], dict]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,13 +283,6 @@ def short_site(site: str, root: str | None = None) -> str:
 
 def first(iterable: Iterable[Any], default: Any = None) -> Any:
     return next(iter(iterable), default)
-
-
-def unique_in_order(items: Iterable[Hashable]) -> list[Any]:
-    seen: dict[Hashable, None] = {}
-    for item in items:
-        seen.setdefault(item, None)
-    return list(seen)
 
 
 # --- checksums that should be equal on every rank ----------------------------------------------
