@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from distdoctor.launch import LaunchSpec, launch
-from distdoctor.script_probe import run_script_probe
+from distdoctor.probe.launch.torchrun import LaunchSpec, launch
+from distdoctor.probe.script.launcher import run_script_probe
 
 WORKLOAD = Path(__file__).resolve().parent / "probe_script_workload.py"
 

@@ -27,9 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from distdoctor.engine import SKIPPED_DIRS, lint_source, read_source
-from distdoctor.finding import Finding
-from distdoctor.rule import all_rules
+from distdoctor.lint.engine import SKIPPED_DIRS, lint_source, read_source
+from distdoctor.lint.finding import Finding
+from distdoctor.lint.rule import all_rules
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def _codes(values: tuple[str, ...]) -> tuple[str, ...] | None:
 @click.option("--report-unused-noqa", is_flag=True, help="Report suppression comments that matched nothing.")
 def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_zero, statistics, show_source, quiet, stdin_filename, config_path, no_cache, report_unused_noqa):
     """Lint training scripts: files, folders (default .), or - for standard input."""
-    from distdoctor.config import ConfigError, load_config
+    from distdoctor.lint.config import ConfigError, load_config
 
     use_stdin = paths == ("-",) or (stdin_filename is not None and not paths)
     start = Path(paths[0]) if paths and not use_stdin and Path(paths[0]).exists() else Path.cwd()
@@ -94,7 +94,7 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
 
 
 def _emit(findings, files, output_format, quiet, statistics, show_source, sources=None) -> None:
-    from distdoctor import report
+    from distdoctor.lint import output as report
 
     if statistics:
         if findings:
@@ -115,7 +115,7 @@ def _emit(findings, files, output_format, quiet, statistics, show_source, source
 
 
 def _lint_stdin(name, rules, config, output_format, fix, diff, quiet, statistics, show_source) -> int:
-    from distdoctor.engine import fix_source, lint_source
+    from distdoctor.lint.engine import fix_source, lint_source
 
     source = sys.stdin.read()
     if fix or diff:
@@ -133,7 +133,7 @@ def _lint_stdin(name, rules, config, output_format, fix, diff, quiet, statistics
 
 
 def _lint_paths(paths, config, output_format, fix, diff, quiet, statistics, show_source, report_unused_noqa) -> int:
-    from distdoctor.engine import fix_source, lint, read_source, write_atomically
+    from distdoctor.lint.engine import fix_source, lint, read_source, write_atomically
 
     result = lint(list(paths), config)
     errors = list(result.errors)
@@ -193,8 +193,8 @@ def rules_command(output_format):
     """List every rule: code, name, severity, default on/off, fixable."""
     import json
 
-    from distdoctor import report
-    from distdoctor.rule import all_rules
+    from distdoctor.lint import output as report
+    from distdoctor.lint.rule import all_rules
 
     if output_format == "json":
         click.echo(json.dumps([
@@ -209,8 +209,8 @@ def rules_command(output_format):
 @click.argument("code")
 def explain(code):
     """Print a rule's documentation, with its example (by code or name)."""
-    from distdoctor import report
-    from distdoctor.rule import all_rules
+    from distdoctor.lint import output as report
+    from distdoctor.lint.rule import all_rules
 
     wanted = code.strip()
     rule = next((r for r in all_rules() if wanted.upper() == r.code or wanted.lower() == r.name), None)
@@ -221,7 +221,7 @@ def explain(code):
 
 def _register_probe() -> None:
     # The probe command lives in its own module; importing it must not import torch.
-    from distdoctor.cli_probe import probe
+    from distdoctor.probe.cli import probe
 
     main.add_command(probe)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.report import CheckResult
 
 ID = "bandwidth"
 FAULTS = ("slow-link",)
@@ -25,7 +25,7 @@ def run(ctx) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from distdoctor.rank_context import synchronize
+    from distdoctor.probe.builtin.rank import synchronize
 
     rows = []
     sizes = SIZES_BYTES.get(ctx.device.type, SIZES_BYTES["cpu"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.report import CheckResult
 
 ID = "collectives"
 FAULTS = ("corrupt-allreduce",)

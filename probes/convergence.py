@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.report import CheckResult
 
 ID = "convergence"
 FAULTS = ("sum-grads", "no-allreduce", "rank-init")
@@ -30,7 +30,7 @@ def run(ctx) -> dict[str, Any]:
 
     import torch
 
-    from distdoctor.rank_context import regression_batch, shard, tiny_mlp, wrap_ddp
+    from distdoctor.probe.builtin.rank import regression_batch, shard, tiny_mlp, wrap_ddp
 
     model = tiny_mlp(ctx)
     reference = copy.deepcopy(model)

@@ -11,7 +11,7 @@ import os
 import socket
 from typing import Any
 
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.report import CheckResult
 
 ID = "env"
 FAULTS = ("same-gpu",)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distdoctor.builtin_protocol import ranks_phrase
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.report import CheckResult
 
 ID = "grad-sync"
 FAULTS = ("rank-init", "no-allreduce", "sum-grads")
@@ -24,7 +24,7 @@ def run(ctx) -> dict[str, Any]:
 
     import torch
 
-    from distdoctor.rank_context import checksum, regression_batch, shard, tiny_mlp, wrap_ddp
+    from distdoctor.probe.builtin.rank import checksum, regression_batch, shard, tiny_mlp, wrap_ddp
 
     ctx.progress(ID, 0)
     model = tiny_mlp(ctx)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distdoctor.builtin_protocol import ranks_phrase
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.report import CheckResult
 from distdoctor.probes.grad_sync import checksums_agree
 
 ID = "param-sync"
@@ -19,7 +19,7 @@ FAULTS = ("rank-init", "no-allreduce")
 def run(ctx) -> dict[str, Any]:
     import torch
 
-    from distdoctor.rank_context import checksum, regression_batch, shard, tiny_mlp, wrap_ddp
+    from distdoctor.probe.builtin.rank import checksum, regression_batch, shard, tiny_mlp, wrap_ddp
 
     ddp = wrap_ddp(tiny_mlp(ctx), ctx)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from distdoctor.builtin_protocol import ranks_phrase
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.report import CheckResult
 
 ID = "sampler"
 FAULTS = ("no-set-epoch",)

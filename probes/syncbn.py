@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distdoctor.builtin_protocol import ranks_phrase
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.report import CheckResult
 
 ID = "syncbn"
 FAULTS = ("no-syncbn",)
@@ -23,7 +23,7 @@ def run(ctx) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from distdoctor.rank_context import seeded_generator, shard
+    from distdoctor.probe.builtin.rank import seeded_generator, shard
 
     ctx.progress(ID, None)
     gen = seeded_generator(ctx.seed, 53)

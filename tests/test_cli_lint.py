@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from distdoctor import engine
+from distdoctor.lint import engine
 from distdoctor.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

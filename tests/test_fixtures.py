@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from distdoctor.engine import lint_source
-from distdoctor.expectations import expected_findings
-from distdoctor.rule import all_rules
+from distdoctor.lint.engine import lint_source
+from distdoctor.lint.expectations import expected_findings
+from distdoctor.lint.rule import all_rules
 
 FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "lint").glob("*.py"))
 

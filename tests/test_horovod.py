@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from _probe_helpers import new_marker, wait_for_no_processes
-from distdoctor import horovod_probe
+from distdoctor.probe.builtin import horovod as horovod_probe
 from distdoctor.cli import main as cli
-from distdoctor.launch import LaunchSpec
+from distdoctor.probe.launch.torchrun import LaunchSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 HVD_FIXTURES = sorted(FIXTURES.glob("hvd_*.py"))
@@ -68,7 +68,7 @@ def test_a_script_that_imports_horovod_is_probed_with_horovod(no_horovod):
 
 
 def test_the_framework_follows_the_script_imports(tmp_path):
-    from distdoctor.horovod_script import script_framework
+    from distdoctor.probe.script.horovod import script_framework
 
     for path in HVD_FIXTURES:
         assert script_framework(str(path)) == "horovod", path.name
@@ -103,7 +103,7 @@ def test_the_horovodrun_command_is_one_a_user_can_run(monkeypatch):
 
 def test_a_horovodrun_launch_names_horovodrun_when_it_fails():
     # The result type is torchrun's; its messages name the launcher that ran (and give no torchrun hint).
-    from distdoctor.launch import LaunchResult
+    from distdoctor.probe.launch.torchrun import LaunchResult
 
     base = {"returncode": 1, "timed_out": False, "interrupted": False, "duration_s": 15.04, "rank_exitcodes": {},
             "rank_errors": {}, "output": "Address already in use", "launcher": "horovodrun"}
@@ -161,7 +161,7 @@ def test_cli_builtin_horovod_json(horovod):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", HVD_FIXTURES, ids=[p.name for p in HVD_FIXTURES])
 def test_script_probe_verdicts_match_the_fixture(horovod, path, tmp_path):
-    from distdoctor.script_probe import run_script_probe
+    from distdoctor.probe.script.launcher import run_script_probe
 
     marker = new_marker()
     spec = LaunchSpec(nproc=2, backend="gloo", timeout_s=120, env={"DISTDOCTOR_TEST_MARKER": marker})
@@ -175,7 +175,7 @@ def test_script_probe_verdicts_match_the_fixture(horovod, path, tmp_path):
 
 @pytest.mark.slow
 def test_clipping_before_synchronize_names_the_line(horovod):
-    from distdoctor.script_probe import run_script_probe
+    from distdoctor.probe.script.launcher import run_script_probe
 
     path = FIXTURES / "hvd_clip_before_sync.py"
     report = run_script_probe(str(path), [], LaunchSpec(2, "gloo", timeout_s=120), steps=5, framework="horovod",

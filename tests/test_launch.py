@@ -1,4 +1,4 @@
-"""distdoctor.launch: torchrun command lines, per-rank failures, timeouts, Ctrl-C, busy ports."""
+"""distdoctor.probe.launch.torchrun: torchrun command lines, per-rank failures, timeouts, Ctrl-C, busy ports."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from _probe_helpers import marked_env, new_marker, wait_for_no_processes
-from distdoctor.launch import LaunchError, LaunchSpec, collective_timeout_s, launch, torchrun_command
+from distdoctor.probe.launch.torchrun import LaunchError, LaunchSpec, collective_timeout_s, launch, torchrun_command
 
 pytest.importorskip("torch")
 
@@ -102,7 +102,7 @@ def test_timeout_kills_every_rank(rank_script, tmp_path, monkeypatch):
 def test_ctrl_c_stops_every_rank(rank_script, tmp_path):
     marker = new_marker()
     code = textwrap.dedent(f"""
-        from distdoctor.launch import LaunchSpec, launch
+        from distdoctor.probe.launch.torchrun import LaunchSpec, launch
         r = launch(LaunchSpec(nproc=2, backend="gloo", timeout_s=120), [{str(rank_script)!r}, "stall", {str(tmp_path / 'up')!r}])
         print("interrupted" if r.interrupted else "not interrupted", flush=True)
     """)

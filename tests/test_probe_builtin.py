@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from _probe_helpers import free_port, new_marker, run_cli, wait_for_no_processes
-from distdoctor.builtin import build_report, diagnose, run_builtin
-from distdoctor.builtin_protocol import CHECK_IDS, GATHERED_FILE, progress_file
-from distdoctor.launch import COLLECTIVE_TIMEOUT_ENV, LaunchResult, LaunchSpec
-from distdoctor.probe_report import CheckResult
+from distdoctor.probe.builtin.launcher import build_report, diagnose, run_builtin
+from distdoctor.probe.builtin.protocol import CHECK_IDS, GATHERED_FILE, progress_file
+from distdoctor.probe.launch.torchrun import COLLECTIVE_TIMEOUT_ENV, LaunchResult, LaunchSpec
+from distdoctor.probe.report import CheckResult
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

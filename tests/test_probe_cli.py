@@ -11,10 +11,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from distdoctor import cli_probe
+from distdoctor.probe import cli as cli_probe
 from distdoctor.cli import main
-from distdoctor.probe_render import render_text
-from distdoctor.probe_report import CheckResult, Report
+from distdoctor.probe.render import render_text
+from distdoctor.probe.report import CheckResult, Report
 from distdoctor.probes import bandwidth, env, sampler
 
 PASSING = CheckResult("grad-sync", "pass", "equal across 2 ranks", {"0": {"max_abs_diff_vs_reference": 1e-8}, "1": {}})
@@ -51,7 +51,7 @@ def invoke(*args: str):
 
 
 def test_the_cli_module_does_not_import_torch():
-    code = "import sys, distdoctor.cli, distdoctor.cli_probe, distdoctor.builtin; print('torch' in sys.modules)"
+    code = "import sys, distdoctor.cli, distdoctor.probe.cli, distdoctor.probe.builtin.launcher; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -141,7 +141,7 @@ def test_missing_probe_module_exits_2_not_a_traceback(no_gpus, monkeypatch):
     real_import = cli_probe.importlib.import_module
 
     def without_script_probe(name, *args):
-        if name == "distdoctor.script_probe":
+        if name == "distdoctor.probe.script.launcher":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real_import(name, *args)
 

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from distdoctor.launch import LaunchSpec  # noqa: E402
-from distdoctor.script_probe import CHECK_IDS, run_script_probe  # noqa: E402
+from distdoctor.probe.launch.torchrun import LaunchSpec  # noqa: E402
+from distdoctor.probe.script.launcher import CHECK_IDS, run_script_probe  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
 STEPS = 12

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from distdoctor.engine import fix_source, lint_source
-from distdoctor.expectations import expected_findings
-from distdoctor.rule import all_rules
+from distdoctor.lint.engine import fix_source, lint_source
+from distdoctor.lint.expectations import expected_findings
+from distdoctor.lint.rule import all_rules
 
 RULES = all_rules()
 INVALID = [

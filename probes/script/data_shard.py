@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from distdoctor.probe_report import CheckResult
-from distdoctor.script_trace import RunTrace, group_ranks
+from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script.records import RunTrace, group_ranks
 
 ID = "data-shard"
 

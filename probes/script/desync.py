@@ -10,9 +10,9 @@ Planted fault: fixtures/probe/fault_skip_backward.py.
 
 from __future__ import annotations
 
-from distdoctor.instrument import protocol
-from distdoctor.probe_report import CheckResult
-from distdoctor.script_trace import RankTrace, RunTrace, group_ranks, odd_ranks
+from distdoctor.probe.script import protocol
+from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script.records import RankTrace, RunTrace, group_ranks, odd_ranks
 
 ID = "desync"
 # Errors that a rank raises because a peer left or hung, not on its own account.

@@ -8,8 +8,8 @@ Planted fault: fixtures/probe/fault_no_set_epoch.py.
 
 from __future__ import annotations
 
-from distdoctor.probe_report import CheckResult
-from distdoctor.script_trace import RunTrace
+from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script.records import RunTrace
 
 ID = "epoch-shuffle"
 

@@ -8,8 +8,8 @@ Planted fault: fixtures/probe/fault_layer_after_wrap.py, fixtures/probe/fault_no
 
 from __future__ import annotations
 
-from distdoctor.probe_report import CheckResult
-from distdoctor.script_trace import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
+from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script.records import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
 
 ID = "grad-sync"
 

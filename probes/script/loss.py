@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from distdoctor.probe_report import CheckResult
-from distdoctor.script_trace import RunTrace
+from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script.records import RunTrace
 
 ID = "loss"
 # A rank whose late losses exceed the other ranks' by this factor, and its own early losses, diverges.

@@ -1,0 +1,361 @@
+"""What every rank of a probed script did, read back from its record file, and the comparisons the
+script checks share (`probes/script/*`). No torch here: this runs in the launcher.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distdoctor.probe.script import protocol
+
+# Checksums of the same tensor on two ranks agree to the last bit when DDP works; the tolerance
+# only forgives float64 summation order on different hardware, never a real divergence.
+REL_TOL = 1e-7
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as one rank recorded it (checksums are [L1, L2] pairs)."""
+
+    opt: int
+    n: int
+    backward: int  # backward passes since the rank started, at this step
+    collectives: int  # collectives on the default group since the rank started
+    site: str
+    loss: tuple[float, ...]
+    inputs: tuple[tuple[float, float], ...]
+    grad: tuple[tuple[float, float] | None, ...]
+    param: tuple[tuple[float, float], ...]
+    param0: tuple[tuple[float, float], ...] | None
+    forwards: int = 0  # training forwards through a DDP wrapper since the rank started
+
+    @property
+    def made(self) -> tuple[int, int, int]:
+        """(backward passes, collectives, DDP training forwards) since the rank started."""
+        return (self.backward, self.collectives, self.forwards)
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """The launcher's finding that the job stopped progressing, and where each rank waited."""
+
+    after_s: float
+    reason: str
+    waiting: dict[int, str]  # rank -> "file:line in func" of the user's code
+    stacks: dict[int, list[str]]  # rank -> innermost-first frames of the main thread
+
+
+@dataclass
+class RankTrace:
+    """Everything one rank recorded, grouped by kind."""
+
+    rank: int
+    pid: int | None = None
+    main_thread: int | None = None
+    backend: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    optimizers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ddp: list[dict[str, Any]] = field(default_factory=list)
+    models: list[dict[str, Any]] = field(default_factory=list)
+    backward_sites: dict[int, str] = field(default_factory=dict)
+    collectives: dict[int, tuple[str, str]] = field(default_factory=dict)  # n -> (op, site)
+    sampler_passes: list[dict[str, Any]] = field(default_factory=list)
+    open_backward: int | None = None  # a backward pass entered and not left
+    open_collective: int | None = None
+    end: dict[str, Any] | None = None  # the stop, exit or error record
+
+    def add(self, record: dict[str, Any]) -> None:
+        kind = record.get("e")
+        if kind == protocol.START:
+            self.pid, self.main_thread = record.get("pid"), record.get("main_thread")
+        elif kind == "pg":
+            self.backend = record.get("backend")
+        elif kind == protocol.STEP:
+            self.steps.append(_step(record))
+        elif kind == protocol.OPTIMIZER:
+            self.optimizers[int(record["opt"])] = record
+        elif kind == protocol.DDP:
+            self.ddp.append(record)
+        elif kind == "model":
+            self.models.append(record)
+        elif kind == protocol.BACKWARD:
+            self.backward_sites[int(record["n"])] = record.get("site", "?")
+            self.open_backward = int(record["n"])
+        elif kind == protocol.BACKWARD_END:
+            self.open_backward = None
+        elif kind == protocol.COLLECTIVE:
+            self.collectives[int(record["n"])] = (record.get("op", "?"), record.get("site", "?"))
+            self.open_collective = int(record["n"])
+        elif kind == protocol.COLLECTIVE_END:
+            self.open_collective = None
+        elif kind == protocol.SAMPLER_ITER:
+            self.sampler_passes.append(record)
+        elif kind in (protocol.STOP, protocol.EXIT, protocol.ERROR):
+            self.end = record
+
+    def primary_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.opt == 0]
+
+    @property
+    def progress(self) -> tuple[int, int, int]:
+        """(optimizer steps, backward passes, collectives): what ranks in step must agree on."""
+        return (len(self.primary_steps()), max(self.backward_sites, default=0), max(self.collectives, default=0))
+
+    def where(self, root: str | None = None) -> str:
+        """What the rank was last doing, from its own records."""
+        steps = len(self.primary_steps())
+        if self.end is not None:
+            kind = self.end.get("e")
+            if kind == protocol.STOP:
+                return f"stopped by the probe after step {steps}"
+            if kind == protocol.ERROR:
+                return f"raised {self.end.get('type')} at {short_site(self.end.get('site', '?'), root)} after step {steps}"
+            return f"the script ended (exit status {self.end.get('code')}) after step {steps}"
+        if self.open_collective is not None:
+            op, site = self.collectives[self.open_collective]
+            return f"inside {op} #{self.open_collective} at {short_site(site, root)} after step {steps}"
+        if self.open_backward is not None:
+            site = self.backward_sites[self.open_backward]
+            return f"inside backward pass #{self.open_backward} at {short_site(site, root)} after step {steps}"
+        return f"running after step {steps}"
+
+
+def _pairs(values: Sequence[float] | None) -> tuple[tuple[float, float], ...] | None:
+    if values is None:
+        return None
+    return tuple(tuple(v) if v is not None else None for v in values)  # type: ignore[misc]
+
+
+def _step(record: dict[str, Any]) -> Step:
+    return Step(
+        opt=int(record.get("opt", 0)),
+        n=int(record["n"]),
+        backward=int(record.get("bwd", 0)),
+        collectives=int(record.get("coll", 0)),
+        site=record.get("site", "?"),
+        loss=tuple(record.get("loss", ())),
+        inputs=_pairs(record.get("fwd", ())) or (),
+        grad=_pairs(record.get("grad", ())) or (),
+        param=_pairs(record.get("param", ())) or (),
+        param0=_pairs(record.get("param0")),
+        forwards=int(record.get("dfwd", 0)),
+    )
+
+
+@dataclass
+class RunTrace:
+    """All ranks of one probed run, plus what the launcher saw."""
+
+    script: str
+    world_size: int
+    steps_requested: int
+    ranks: dict[int, RankTrace]
+    stall: StallReport | None = None
+    timed_out: bool = False
+    launch_failure: str = ""
+    rank_errors: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, run_dir: str | Path, script: str, world_size: int, steps_requested: int, **launcher: Any) -> RunTrace:
+        ranks: dict[int, RankTrace] = {}
+        for path in sorted(Path(run_dir).glob("rank*.jsonl")):
+            rank = int(path.stem[4:])
+            trace = RankTrace(rank)
+            for record in protocol.read_records(path)[0]:
+                trace.add(record)
+            ranks[rank] = trace
+        return cls(script=script, world_size=world_size, steps_requested=steps_requested, ranks=ranks, **launcher)
+
+    @property
+    def rank_ids(self) -> list[int]:
+        return sorted(self.ranks)
+
+    def aligned_steps(self) -> int:
+        """How many primary optimizer steps every rank made in lockstep (same backward passes,
+        collectives and DDP training forwards in each): beyond this, step n on one rank is not step
+        n on another."""
+        lists = [t.primary_steps() for t in self.ranks.values()]
+        if not lists:
+            return 0
+        common = min(len(steps) for steps in lists)
+        for i in range(common):
+            if len({steps[i].made for steps in lists}) > 1:
+                return i
+        return common
+
+    def parted_in_open_step(self) -> bool:
+        """Whether a rank that never finished step `common + 1` had already made more backward
+        passes or collectives in it than a rank that finished that step made in all of it (an extra
+        collective under `if rank == 0` that blocks its rank before the step)."""
+        lists = {r: t.primary_steps() for r, t in self.ranks.items()}
+        if not lists:
+            return False
+        common = min(len(steps) for steps in lists.values())
+        if self.aligned_steps() < common:
+            return False
+        done = [steps[common].made for steps in lists.values() if len(steps) > common]
+        partial = [self.ranks[r].progress[1:] for r, steps in lists.items() if len(steps) == common]
+        return any(p[0] > d[0] or p[1] > d[1] for p in partial for d in done)
+
+    def made_by_step(self, rank: int, index: int) -> tuple[int, int, int]:
+        """A rank's cumulative (backward, collectives, DDP forwards) at the end of step index+1, or
+        so far when it never finished that step (the forwards of an unfinished step are not known)."""
+        steps = self.ranks[rank].primary_steps()
+        if index < len(steps):
+            return steps[index].made
+        progress = self.ranks[rank].progress
+        return (progress[1], progress[2], steps[-1].forwards if steps else 0)
+
+    def site(self, site: str) -> str:
+        """A call site as the report shows it: relative to the script's folder."""
+        return short_site(site, os.path.dirname(self.script))
+
+    def param_names(self, opt: int) -> list[str]:
+        for rank in self.rank_ids:
+            names = self.ranks[rank].optimizers.get(opt, {}).get("names")
+            if names:
+                return list(names)
+        return []
+
+
+# --- comparing values across ranks -------------------------------------------------------------
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Checksums equal within REL_TOL; NaN equals NaN (a NaN everywhere is in sync, if not healthy)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= REL_TOL * max(abs(a), abs(b), 1e-30)
+
+
+def group_ranks(values: dict[int, Any], equal: Callable[[Any, Any], bool] = same_value) -> list[list[int]]:
+    """Ranks grouped by equal value, largest group first (ties: the group holding the lowest rank)."""
+    groups: list[list[int]] = []
+    for rank in sorted(values):
+        for group in groups:
+            if equal(values[group[0]], values[rank]):
+                group.append(rank)
+                break
+        else:
+            groups.append([rank])
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
+def odd_ranks(groups: list[list[int]]) -> list[int]:
+    """The ranks outside the majority (with two ranks that disagree: the higher one, vs rank 0)."""
+    return sorted(r for group in groups[1:] for r in group)
+
+
+def describe_groups(groups: list[list[int]], show: Callable[[int], str]) -> str:
+    """'rank 0: 1.5 | rank 1: 2.5' style, one entry per group."""
+    parts = []
+    for group in groups:
+        label = "rank " + ",".join(map(str, group)) if len(group) < 4 else f"ranks {group[0]}..{group[-1]}"
+        parts.append(f"{label}: {show(group[0])}")
+    return " | ".join(parts)
+
+
+def short_site(site: str, root: str | None = None) -> str:
+    """`train.py:45` for a site in the script's folder, the path relative to the cwd otherwise."""
+    path, sep, line = site.rpartition(":")
+    if not sep:
+        return site
+    base = root or os.getcwd()
+    try:
+        rel = os.path.relpath(path, base)
+    except ValueError:
+        rel = path
+    if rel.startswith(".."):
+        rel = path
+    return f"{rel}:{line}"
+
+
+def first(iterable: Iterable[Any], default: Any = None) -> Any:
+    return next(iter(iterable), default)
+
+
+# --- checksums that should be equal on every rank ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first place where one kind of checksum (gradients or parameters) differed across ranks."""
+
+    opt: int
+    step: int  # the optimizer's step number (1-based)
+    key: str  # "param0" (before the first update), "param" (after the update), "grad" (at the step)
+    params: tuple[str, ...]  # names of every parameter that differed there
+    groups: list[list[int]]  # ranks grouped by the first differing parameter's checksum
+    values: dict[int, Any]  # rank -> that checksum ([L1, L2] or None: no gradient)
+    in_ddp: dict[str, bool | None]  # parameter -> was it in the DDP-wrapped model (None: no DDP)
+
+    @property
+    def when(self) -> str:
+        opt = "" if self.opt == 0 else f" of optimizer #{self.opt}"
+        if self.key == "param0":
+            return f"at the first step{opt}, before any update"
+        if self.key == "param":
+            return f"after step {self.step}{opt}"
+        return f"at step {self.step}{opt}"
+
+
+def first_divergence(trace: RunTrace, keys: tuple[str, ...]) -> tuple[Divergence | None, int]:
+    """The earliest step where any parameter's `keys` checksum differs across ranks, and how many
+    steps were compared. Only steps the ranks made in lockstep are compared (see `aligned_steps`)."""
+    ranks = trace.rank_ids
+    common = set.intersection(*(set(trace.ranks[r].optimizers) for r in ranks)) if ranks else set()
+    aligned = trace.aligned_steps()
+    compared = 0
+    for opt in sorted(common):
+        per_rank = {r: [s for s in trace.ranks[r].steps if s.opt == opt] for r in ranks}
+        limit = min(len(steps) for steps in per_rank.values())
+        if opt == 0:
+            limit = min(limit, aligned)
+        compared = max(compared, limit)
+        names = trace.param_names(opt)
+        for i in range(limit):
+            for key in keys:
+                values = {r: getattr(per_rank[r][i], key) for r in ranks}
+                if any(v is None for v in values.values()):
+                    continue
+                count = min(len(v) for v in values.values())
+                bad = [j for j in range(count) if len(group_ranks({r: values[r][j] for r in ranks})) > 1]
+                if not bad and all(len(v) == count for v in values.values()):
+                    continue
+                bad = bad or list(range(count, max(len(v) for v in values.values())))
+                j = bad[0]
+                picked = {r: (values[r][j] if j < len(values[r]) else None) for r in ranks}
+                in_ddp_flags = trace.ranks[ranks[0]].optimizers[opt].get("ddp")
+                label = [names[k] if k < len(names) else f"param #{k}" for k in bad]
+                return Divergence(
+                    opt=opt, step=per_rank[ranks[0]][i].n, key=key, params=tuple(label),
+                    groups=group_ranks(picked), values=picked,
+                    in_ddp={name: (None if in_ddp_flags is None else bool(in_ddp_flags[k]))
+                            for name, k in zip(label, bad) if in_ddp_flags is None or k < len(in_ddp_flags)},
+                ), compared
+    return None, compared
+
+
+def list_names(names: Sequence[str], limit: int = 4) -> str:
+    """'a, b, c and 5 more'."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def fmt_checksum(value: Any) -> str:
+    if value is None:
+        return "no gradient"
+    if isinstance(value, (list, tuple)):
+        return "/".join(f"{v:.6g}" for v in value)
+    return f"{value:.6g}"

@@ -1,0 +1,264 @@
+"""DD001 init-hardcoded-rank: a process group joined with a rank or world size that cannot be right."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.rule import Example, Report, Rule
+
+INIT = "torch.distributed.init_process_group"
+DEVICE_COUNT = "torch.cuda.device_count"
+LAUNCHER_WORDS = ('"WORLD_SIZE"', "'WORLD_SIZE'", '"LOCAL_RANK"', "'LOCAL_RANK'", '"RANK"', "'RANK'", "--local_rank", "--local-rank")
+SPAWNERS = (
+    "torch.multiprocessing.spawn",
+    "torch.multiprocessing.start_processes",
+    "torch.multiprocessing.Process",
+    "multiprocessing.Process",
+    "torch.multiprocessing.Pool",
+    "multiprocessing.Pool",
+)
+
+
+class InitHardcodedRank(Rule):
+    """
+    ## What it does
+    Flags `init_process_group(...)` calls that give every process the same identity:
+
+    - `rank=<integer literal>` (other than `-1`, which means "read `RANK`") while the world size
+      is not the literal `1`;
+    - `world_size=torch.cuda.device_count()` (directly or through a variable) in a script started
+      by a launcher that sets `WORLD_SIZE` (torchrun, `torch.distributed.launch`): the script
+      initialises with `env://` (explicitly or by default) or reads `RANK`/`LOCAL_RANK`/
+      `WORLD_SIZE` or takes `--local_rank`; the rank is left out or is a rank read there; and no
+      `mp.spawn`/`multiprocessing` starts the workers here.
+
+    Silent for `mp.spawn` workers, whose rank is the spawn index and whose world size is the
+    number of processes they spawned on this machine, and for single-process groups
+    (`rank=0, world_size=1`, as in tests).
+
+    ## Why is this bad?
+    Rendezvous waits until `world_size` distinct ranks have joined. With a literal rank every
+    process claims the same one: the first wins, the others are refused or wait forever, and
+    the job hangs at startup. With `world_size=torch.cuda.device_count()` under torchrun the
+    script declares one machine's worth of processes while the launcher started several
+    machines' worth: the ranks on the second node exceed the declared size, and rendezvous
+    hangs or fails on every node but the first.
+
+    ## Example
+    ```python
+    dist.init_process_group("nccl", init_method="env://", rank=0, world_size=4)
+    ```
+
+    ## Use instead
+    ```python
+    # torchrun sets RANK and WORLD_SIZE: let init_process_group read them.
+    dist.init_process_group("nccl", init_method="env://")
+    ```
+
+    ## Fix safety
+    No fix is offered: where the right rank comes from (the environment, the spawn index, a
+    scheduler) is the script author's choice.
+    """
+
+    code = "DD001"
+    name = "init-hardcoded-rank"
+    severity = "error"
+    summary = "init_process_group() with a hard-coded rank or a single-node world size"
+
+    invalid = (
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl", init_method="env://", rank=0, world_size=4)  # expect: DD001
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def setup():
+                rank = int(os.environ["RANK"])
+                dist.init_process_group(
+                    backend="nccl",
+                    rank=rank,
+                    world_size=torch.cuda.device_count(),  # expect: DD001
+                )
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch
+            from torch import distributed
+
+            def main(args):
+                distributed.init_process_group(
+                    backend="nccl",
+                    init_method=args.dist_url,
+                    world_size=args.world_size,
+                    rank=0,  # expect: DD001
+                )
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            class Runner:
+                def __init__(self):
+                    n_gpus = torch.cuda.device_count()
+                    self.world_size = n_gpus
+                    dist.init_process_group("nccl", world_size=self.world_size)  # expect: DD001
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method="file:///tmp/pg", rank=0, world_size=1)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            def worker(rank, world_size):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+
+            if __name__ == "__main__":
+                world_size = torch.cuda.device_count()
+                mp.spawn(worker, args=(world_size,), nprocs=world_size)
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                backend="nccl",
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+
+            def init(args):
+                dist.init_process_group(backend=args.backend, init_method=args.dist_url,
+                                        world_size=args.world_size, rank=args.rank)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            WORLD = 1
+            dist.init_process_group("gloo", rank=0, world_size=WORLD)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        spawns = _starts_processes(ctx)
+        reported: set[int] = set()
+        for trace, step, call in ctx.calls(INIT):
+            if id(call) in reported:
+                continue
+            rank_expr = flow.argument(call, 4, "rank")
+            world_expr = flow.argument(call, 3, "world_size")
+            world = trace.value(world_expr, step) if world_expr is not None else None
+            if rank_expr is not None and _literal_rank(trace, step, rank_expr) and not _is_one(world):
+                reported.add(id(call))
+                yield Report(
+                    flow.arg_node(call, rank_expr),
+                    f"init_process_group() gets the fixed rank `{ctx.code(rank_expr)}`: every process "
+                    "claims the same rank and rendezvous hangs. Pass each process's own rank "
+                    '(int(os.environ["RANK"]), or the mp.spawn index), or leave rank and world_size '
+                    "out so that env:// reads them from the launcher.",
+                )
+                continue
+            if world_expr is None or spawns or not _is_device_count(ctx, trace, step, world_expr):
+                continue
+            rank = trace.value(rank_expr, step) if rank_expr is not None else None
+            if rank_expr is not None and not (rank is not None and rank.is_rank_like and rank.origin != "spawn"):
+                continue
+            if not _launcher_evidence(ctx, call):
+                continue
+            reported.add(id(call))
+            yield Report(
+                flow.arg_node(call, world_expr),
+                "world_size is the number of GPUs on this machine, but the launcher (torchrun, "
+                "env://) starts processes on every node and sets WORLD_SIZE: on more than one node "
+                "rendezvous never completes. Use int(os.environ[\"WORLD_SIZE\"]), or leave "
+                "world_size out.",
+            )
+
+
+def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+    known, value = flow._const_value(expr)
+    if not known and isinstance(expr, (cst.Name, cst.Attribute)):
+        bound = trace.value(expr, step)
+        if bound is not None and bound.kind == flow.CONST and isinstance(bound.node, cst.Integer):
+            known, value = True, bound.attrs.get("value")
+    return known and isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_one(value: Value | None) -> bool:
+    return value is not None and value.kind == flow.CONST and value.attrs.get("value") == 1
+
+
+def _is_device_count(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
+    if isinstance(expr, cst.Call):
+        if ctx.qualname(expr.func) == DEVICE_COUNT:
+            return True
+        if ctx.qualname(expr.func) is None and isinstance(expr.func, cst.Name) and expr.func.value == "int" and expr.args:
+            return _is_device_count(ctx, trace, step, expr.args[0].value, depth + 1)
+        return False
+    if depth < 4 and isinstance(expr, (cst.Name, cst.Attribute)):
+        value = trace.value(expr, step)
+        if value is not None and value.kind == flow.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)):
+            bound = value.node.value
+            if bound is not None:
+                return _is_device_count(ctx, trace, step, bound, depth + 1)
+    return False
+
+
+def _launcher_evidence(ctx: LintContext, call: cst.Call) -> bool:
+    """Signs that an external launcher (torchrun, torch.distributed.launch) started the script:
+    it reads the variables the launcher sets, takes its `--local_rank` flag, or initialises
+    with `env://` (explicitly, or by default)."""
+    init_method = flow.argument(call, 1, "init_method")
+    if init_method is None and flow.keyword(call, "store") is None:
+        return True
+    if isinstance(init_method, cst.SimpleString) and init_method.evaluated_value == "env://":
+        return True
+    return any(word in ctx.source for word in LAUNCHER_WORDS)
+
+
+def _starts_processes(ctx: LintContext) -> bool:
+    """Whether this script starts its own workers (mp.spawn, multiprocessing): then a
+    device-count world size is the number of workers it starts, not the launcher's."""
+    if ctx.info.spawn_targets:
+        return True
+    for node in ctx.nodes(cst.Call):
+        qual = ctx.qualname(node.func) or ""
+        if qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")):
+            return True
+    return False

@@ -1,0 +1,255 @@
+"""DD002 rank-as-device: the global rank used as a CUDA device index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.devices import device_indices
+from distdoctor.lint.analysis.flow import Value
+from distdoctor.lint.rule import Example, Report, Rule
+
+# Where a rank comes from, when the flow *knows* it is the global rank. A name that merely reads
+# `rank` (origin "name"/"attr") is often an `mp.spawn` index or a single-node rank handed in by a
+# caller the analysis did not see: too weak to call it global.
+GLOBAL_ORIGINS = frozenset({"env", "dist", "hvd", "arith"})
+RANK_GETTERS = frozenset({"get_rank", "get_global_rank"})
+
+
+class RankAsDevice(Rule):
+    """
+    ## What it does
+    Flags the global rank used as a CUDA device index: `torch.cuda.set_device(rank)`,
+    `.to(rank)`, `.cuda(rank)`, `DDP(..., device_ids=[rank])`, `output_device=rank`,
+    `torch.device("cuda", rank)`, `f"cuda:{rank}"`, when the rank is known to be global: read
+    from `os.environ["RANK"]` (or `SLURM_PROCID`, `OMPI_COMM_WORLD_RANK`), from
+    `dist.get_rank()`, from `hvd.rank()`, or computed as `node_rank * gpus_per_node + gpu`
+    (pytorch/examples ImageNet style).
+
+    Silent for the local rank (`LOCAL_RANK`, `hvd.local_rank()`, `rank % torch.cuda.device_count()`)
+    and for `mp.spawn` worker indices. A variable that is merely *called* `rank` (a function
+    parameter whose caller the analysis cannot see, `args.rank` from argparse) is not enough:
+    single-node tutorials pass the spawn index as `rank`, and that is a valid device index.
+
+    ## Why is this bad?
+    Device indices are per machine: on a node with 8 GPUs they run 0..7. The global rank runs
+    0..N-1 across all nodes, so on every node but the first it names a GPU that does not exist
+    ("CUDA error: invalid device ordinal"), or, with fewer processes than GPUs, puts two ranks on
+    one GPU. It works on one machine and breaks the day the job goes multi-node.
+
+    ## Example
+    ```python
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    model = DDP(model.to(rank), device_ids=[rank])
+    ```
+
+    ## Use instead
+    ```python
+    dist.init_process_group("nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    model = DDP(model.to(local_rank), device_ids=[local_rank])
+    ```
+    (Horovod: `hvd.local_rank()`.)
+
+    ## Fix safety
+    No fix is offered: the local rank has to come from somewhere (the `LOCAL_RANK` variable,
+    `hvd.local_rank()`, the spawn index), and which one depends on the launcher.
+    """
+
+    code = "DD002"
+    name = "rank-as-device"
+    severity = "warning"
+    summary = "global rank used as a CUDA device index"
+
+    invalid = (
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("nccl")
+            torch.accelerator.set_device_index(rank)  # expect: DD002
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def main():
+                dist.init_process_group(backend="nccl")
+                rank = int(os.environ["RANK"])
+                torch.cuda.set_device(rank)  # expect: DD002
+                model = Net().cuda(rank)  # expect: DD002
+                model = DDP(model, device_ids=[rank])  # expect: DD002
+            """
+        ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            hvd.init()
+            torch.cuda.set_device(hvd.rank())  # expect: DD002
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch import distributed
+
+            class Trainer:
+                def __init__(self, model):
+                    distributed.init_process_group("nccl")
+                    self.rank = distributed.get_rank()
+                    self.device = torch.device(f"cuda:{self.rank}")  # expect: DD002
+                    self.model = model.to(self.rank)  # expect: DD002
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            def main_worker(gpu, ngpus_per_node, args):
+                args.rank = args.rank * ngpus_per_node + gpu
+                dist.init_process_group("nccl", init_method=args.dist_url, world_size=args.world_size, rank=args.rank)
+                torch.cuda.set_device(args.rank)  # expect: DD002
+
+            if __name__ == "__main__":
+                mp.spawn(main_worker, nprocs=8, args=(8, args))
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def get_device():
+                global_rank = int(os.environ.get("SLURM_PROCID", 0))
+                return torch.device("cuda", global_rank)  # expect: DD002
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            model = Net().to(local_rank)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def setup(rank, world_size):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+
+            def demo_basic(rank, world_size):
+                setup(rank, world_size)
+                model = ToyModel().to(rank)
+                ddp_model = DDP(model, device_ids=[rank])
+
+            def run_demo(demo_fn, world_size):
+                mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)
+
+            if __name__ == "__main__":
+                run_demo(demo_basic, torch.cuda.device_count())
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            rank = dist.get_rank()
+            device_id = rank % torch.cuda.device_count()
+            torch.cuda.set_device(device_id)
+            model = Net().to(device_id)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            hvd.init()
+            torch.cuda.set_device(hvd.local_rank())
+            if hvd.rank() == 0:
+                print("ready")
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--rank", type=int, default=0)
+            args = parser.parse_args()
+            torch.cuda.set_device(args.rank)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        reported: set[int] = set()
+        for use in device_indices(ctx):
+            value = use.trace.value(use.index, use.step)
+            if not _is_global_rank(value):
+                continue
+            line = ctx.position(use.site).start.line
+            if line in reported:
+                continue
+            reported.add(line)
+            yield Report(use.site, _message(ctx, use.index, value, ctx.uses_horovod))
+
+
+def _is_global_rank(value: Value | None) -> bool:
+    if value is None or value.kind != flow.RANK:
+        return False
+    if value.origin in GLOBAL_ORIGINS:
+        return True
+    if value.origin == "call" and isinstance(value.node, cst.Call):
+        func = value.node.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+        return name in RANK_GETTERS
+    return False
+
+
+def _message(ctx: LintContext, index: cst.BaseExpression, value: Value, horovod: bool) -> str:
+    source = {
+        "env": f'the environment variable {value.name or "RANK"}',
+        "dist": "dist.get_rank()",
+        "hvd": "hvd.rank()",
+        "arith": "node rank * GPUs per node + GPU",
+        "call": "get_rank()",
+    }.get(value.origin, "the global rank")
+    instead = "hvd.local_rank()" if horovod or value.origin == "hvd" else 'int(os.environ["LOCAL_RANK"])'
+    return (
+        f"`{ctx.code(index)}` is the global rank (from {source}), used here as a CUDA device index: "
+        f"on every node but the first it names a GPU that does not exist. Use the local rank "
+        f"({instead}) for devices."
+    )

@@ -1,0 +1,245 @@
+"""DD003 missing-set-device: GPU training that never gives each process its own device."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.devices import (
+    INIT_PROCESS_GROUP,
+    current_device_uses,
+    selects_device_explicitly,
+)
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+HVD_INIT = "horovod.torch.init"
+# Launch helpers of other modules (`utils.init_distributed_mode(args)`) usually pick the device.
+SETUP_HELPER = re.compile(r"(init|setup|set_?up).*(dist|device|gpu|ddp|cuda|process|env)|set_device", re.IGNORECASE)
+FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "colossalai", "composer", "ignite", "fabric")
+# The device may be pinned from outside: one visible GPU per task.
+OUTSIDE_PINNING = ("CUDA_VISIBLE_DEVICES", "SLURM")
+
+
+class MissingSetDevice(Rule):
+    """
+    ## What it does
+    Flags a distributed GPU script (it calls `init_process_group` or `hvd.init()` itself) that
+    never selects a device per process — no `torch.cuda.set_device(...)`, no
+    `init_process_group(device_id=...)`, no `with torch.cuda.device(...)`, no explicit index
+    such as `.to(local_rank)`, `.cuda(gpu)` or `f"cuda:{local_rank}"` — while it puts work on
+    the *current* device: a bare `.cuda()`, `.to("cuda")`, `.to(torch.device("cuda"))`. The
+    finding points at the first such call. `DDP(model.cuda(), device_ids=[local_rank])` does not
+    select a device: the model is already on GPU 0, and DDP refuses it on every other rank.
+
+    Only calls on the same code path as the initialisation (before or after it) count. Deliberately
+    conservative: silent when the device may be chosen elsewhere — a launch helper
+    from another module (`utils.init_distributed_mode(args)`, `setup_distributed()`), a framework
+    (accelerate, Lightning, DeepSpeed), `CUDA_VISIBLE_DEVICES` or SLURM's per-task GPU binding —
+    and for current-device calls that run on rank 0 only.
+
+    ## Why is this bad?
+    Every process starts with GPU 0 as its current device. Without `set_device`, all ranks of a
+    node allocate on GPU 0: it runs out of memory, the other GPUs idle, and NCCL, which maps each
+    rank to its current device, may hang or fail with duplicate GPU errors.
+
+    ## Example
+    ```python
+    dist.init_process_group("nccl")
+    model = Net().cuda()
+    model = DDP(model)
+    ```
+
+    ## Use instead
+    ```python
+    dist.init_process_group("nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    model = Net().cuda()
+    model = DDP(model, device_ids=[local_rank])
+    ```
+    (Horovod: `torch.cuda.set_device(hvd.local_rank())` after `hvd.init()`.)
+
+    ## Fix safety
+    No fix is offered: where the local rank comes from depends on the launcher.
+    """
+
+    code = "DD003"
+    name = "missing-set-device"
+    severity = "warning"
+    summary = "GPU training never selects a device per process"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def main():
+                dist.init_process_group(backend="nccl")
+                model = Net().cuda()  # expect: DD003
+                model = DDP(model)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+
+            hvd.init()
+            model = Net()
+            model.cuda()  # expect: DD003
+            optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, model):
+                    dist.init_process_group("nccl")
+                    self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                    self.model = DistributedDataParallel(model.to(self.device))  # expect: DD003
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group("nccl", init_method="env://")
+            model = Net().cuda()  # expect: DD003
+            model = DDP(model, device_ids=[local_rank], output_device=local_rank)
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group(backend="nccl")
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            model = DDP(Net().cuda())
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def worker(rank, world_size):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+                model = Net().to(rank)
+                model = DDP(model, device_ids=[rank])
+
+            mp.spawn(worker, args=(2,), nprocs=2)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import utils
+            import torch.distributed as dist
+
+            def main(args):
+                utils.init_distributed_mode(args)
+                model = Net().cuda()
+                model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.gpu])
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            model = Net()
+            if dist.get_rank() == 0:
+                model.cuda()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
+            model = Net().cuda()
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.is_distributed or ctx.imports.imports_any(FRAMEWORKS):
+            return
+        if not _initialises_here(ctx) or _external_setup(ctx) or any(word in ctx.source for word in OUTSIDE_PINNING):
+            return
+        if selects_device_explicitly(ctx):
+            return
+        started = _initialising_traces(ctx)
+        uses = [
+            (ctx.position(call).start.line, call)
+            for trace, step, call, _ in current_device_uses(ctx)
+            if id(trace) in started and not ctx.under_rank_zero(trace, step)
+        ]
+        if not uses:
+            return
+        _, call = min(uses, key=lambda item: item[0])
+        helper = "hvd.local_rank()" if ctx.uses_horovod else 'int(os.environ["LOCAL_RANK"])'
+        yield Report(
+            call,
+            f"`{_short(ctx.code(call))}` uses the current CUDA device, and no process ever selects its "
+            f"own: every rank piles onto GPU 0. Call torch.cuda.set_device({helper}) right after "
+            "initialising the process group (and pass device_ids to DDP).",
+        )
+
+
+def _initialises_here(ctx: LintContext) -> bool:
+    return any(True for _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT))
+
+
+def _initialising_traces(ctx: LintContext) -> set[int]:
+    """id() of the traces that initialise the process group. Only current-device calls on such
+    a code path count: a library module whose helpers initialise in one function and allocate
+    in another says nothing about the script that calls them."""
+    return {id(trace) for trace, _, _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT)}
+
+
+def _external_setup(ctx: LintContext) -> bool:
+    """Whether a function from another module that sounds like distributed setup is called."""
+    for node in ctx.nodes(cst.Call):
+        text = dotted(node.func)
+        if text is None:
+            continue
+        last = text.rsplit(".", 1)[-1]
+        if last in ctx.info.functions or last == "init_process_group":
+            continue
+        qual = ctx.qualname(node.func) or ""
+        if qual.startswith(("torch.", "horovod.")) and last != "set_device":
+            continue
+        if isinstance(node.func, cst.Attribute) and dotted(node.func.value) == "self":
+            continue
+        if SETUP_HELPER.search(last):
+            return True
+    return False
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 60 else text[:57] + "..."

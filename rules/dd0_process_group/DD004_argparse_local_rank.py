@@ -1,0 +1,241 @@
+"""DD004 argparse-local-rank: the device comes from a `--local_rank` flag torchrun never passes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.devices import device_indices
+from distdoctor.lint.rule import Example, Report, Rule
+
+FLAGS = ("--local_rank", "--local-rank")
+ENV_NAME = "LOCAL_RANK"
+# Launchers that still pass `--local_rank` to the script.
+FLAG_PASSING_LAUNCHERS = ("deepspeed",)
+
+
+class ArgparseLocalRank(Rule):
+    """
+    ## What it does
+    Flags a `--local_rank` (or `--local-rank`) command-line argument whose value selects the
+    CUDA device (`torch.cuda.set_device(args.local_rank)`, `.to(args.local_rank)`,
+    `device_ids=[args.local_rank]`, ...) in a script that never reads the `LOCAL_RANK`
+    environment variable. The finding points at the `add_argument` line.
+
+    Silent when the script reads `LOCAL_RANK` anywhere (for instance as the argument's default,
+    or `if "LOCAL_RANK" in os.environ: ...`), when the flag is never used for a device, and in
+    DeepSpeed scripts (the `deepspeed` launcher still passes `--local_rank`).
+
+    ## Why is this bad?
+    `python -m torch.distributed.launch` passed `--local_rank=N` to every process; `torchrun`
+    (and `torch.distributed.launch` since PyTorch 2.0 by default) does not: it sets the
+    `LOCAL_RANK` environment variable instead. Under torchrun the flag keeps its default on
+    every rank, so all processes select the same GPU (or none): they pile onto GPU 0, run out of
+    memory, or NCCL hangs on duplicate devices.
+
+    ## Example
+    ```python
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    torch.cuda.set_device(args.local_rank)
+    ```
+
+    ## Use instead
+    ```python
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    args = parser.parse_args()
+    torch.cuda.set_device(args.local_rank)
+    ```
+
+    ## Fix safety
+    No fix is offered: the default may be used elsewhere (`-1` often means "not distributed"),
+    so the right default expression is the author's choice.
+    """
+
+    code = "DD004"
+    name = "argparse-local-rank"
+    severity = "warning"
+    summary = "--local_rank argument selects the device but LOCAL_RANK is never read"
+
+    invalid = (
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)  # expect: DD004
+            args = parser.parse_args()
+            torch.cuda.set_device(args.local_rank)
+            dist.init_process_group("nccl")
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def get_args():
+                p = argparse.ArgumentParser()
+                p.add_argument("--local-rank", type=int, default=-1)  # expect: DD004
+                return p.parse_args()
+
+            def main():
+                opt = get_args()
+                device = torch.device("cuda", opt.local_rank)
+                model = DDP(Net().to(device), device_ids=[opt.local_rank])
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+            class Trainer:
+                def __init__(self, args):
+                    self.local_rank = args.local_rank
+                    dist.init_process_group(backend="nccl", init_method="env://")
+                    self.model = build().cuda(self.local_rank)
+
+            if __name__ == "__main__":
+                parser = argparse.ArgumentParser()
+                parser.add_argument('--local_rank', default=0, type=int,  # expect: DD004
+                                    help='node rank for distributed training')
+                Trainer(parser.parse_args())
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import argparse
+            import os
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+            args = parser.parse_args()
+            torch.cuda.set_device(args.local_rank)
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import os
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            args = parser.parse_args()
+            if "LOCAL_RANK" in os.environ:
+                args.local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(args.local_rank)
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import os
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, help="ignored: torch.distributed.launch passes it")
+            args = parser.parse_args()
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)
+            args = parser.parse_args()
+            dist.init_process_group("gloo")
+            if args.local_rank == 0:
+                print("node leader")
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import deepspeed
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+            parser = deepspeed.add_config_arguments(parser)
+            args = parser.parse_args()
+            torch.cuda.set_device(args.local_rank)
+            deepspeed.init_distributed()
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if ctx.imports.imports_any(FLAG_PASSING_LAUNCHERS):
+            return
+        flags = _local_rank_flags(ctx)
+        if not flags or _reads_local_rank_env(ctx):
+            return
+        use = next((u for u in device_indices(ctx) if _from_flag(u.trace.value(u.index, u.step))), None)
+        if use is None:
+            return
+        line = ctx.position(use.site).start.line
+        for flag in flags:
+            yield Report(
+                flag,
+                f"`--local_rank` selects the CUDA device (line {line}), but torchrun does not pass this "
+                "flag: it sets the LOCAL_RANK environment variable, so every rank keeps the default. "
+                'Read it: default=int(os.environ.get("LOCAL_RANK", 0)).',
+            )
+
+
+def _local_rank_flags(ctx: LintContext) -> list[cst.Call]:
+    found: list[cst.Call] = []
+    for node in ctx.nodes(cst.Call):
+        func = node.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "add_argument"):
+            continue
+        if any(
+            arg.keyword is None and isinstance(arg.value, cst.SimpleString) and arg.value.evaluated_value in FLAGS
+            for arg in node.args
+        ):
+            found.append(node)
+    return found
+
+
+def _reads_local_rank_env(ctx: LintContext) -> bool:
+    """Any mention of "LOCAL_RANK" that is not `os.environ["LOCAL_RANK"] = ...` (a write)."""
+    written: set[int] = set()
+    for node in ctx.nodes(cst.Assign):
+        for target in node.targets:
+            if isinstance(target.target, cst.Subscript):
+                for element in target.target.slice:
+                    if isinstance(element.slice, cst.Index):
+                        written.add(id(element.slice.value))
+    for node in ctx.nodes(cst.SimpleString):
+        if node.evaluated_value == ENV_NAME and id(node) not in written:
+            return True
+    return any(ENV_NAME in node.value for node in ctx.nodes(cst.FormattedStringText))
+
+
+def _from_flag(value: flow.Value | None) -> bool:
+    """A value read from the parsed `--local_rank` argument (`args.local_rank`, or a name or
+    attribute it was copied to)."""
+    return (
+        value is not None
+        and value.kind == flow.LOCAL_RANK
+        and value.origin == "attr"
+        and value.name.rsplit(".", 1)[-1] == "local_rank"
+        and not value.name.startswith("self.")
+    )

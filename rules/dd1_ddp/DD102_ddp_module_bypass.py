@@ -1,0 +1,199 @@
+"""DD102 ddp-module-bypass: a training forward through `ddp.module`, past the wrapper's hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext, _assigned_names
+from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+
+class DDPModuleBypass(Rule):
+    """
+    ## What it does
+    Flags a forward pass through the module *inside* a `DistributedDataParallel` wrapper
+    (`ddp_model.module(x)`, or `net(x)` where `net` was wrapped by `DDP(net)`) whose result
+    reaches `backward()`. Forwards under `torch.no_grad()` / `inference_mode()` and forwards
+    whose result never reaches a backward pass (evaluation, logging, EMA) stay silent.
+
+    ## Why is this bad?
+    DDP synchronises gradients from hooks that its own `forward` arms. A forward that goes
+    around the wrapper produces gradients that are never all-reduced: each replica steps with its
+    own gradients and the model copies silently drift apart, while the loss still goes down.
+
+    ## Example
+    ```python
+    model = DDP(net, device_ids=[local_rank])
+    loss = criterion(model.module(images), labels)
+    loss.backward()
+    ```
+
+    ## Use instead
+    ```python
+    loss = criterion(model(images), labels)
+    loss.backward()
+    ```
+
+    ## Fix safety
+    No autofix: custom methods (`model.module.encode(x)`) have no drop-in replacement through
+    the wrapper; route them through the wrapper's `forward` instead.
+    """
+
+    code = "DD102"
+    name = "ddp-module-bypass"
+    severity = "error"
+    summary = "training forward through ddp.module: gradients are never all-reduced"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            for images, labels in loader:
+                logits = model.module(images)  # expect: DD102
+                loss = criterion(logits, labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import torch.nn as nn
+
+            def compute_loss(net, batch):
+                out = net(batch["x"])  # expect: DD102
+                return ((out - batch["y"]) ** 2).mean()
+
+            def main(local_rank):
+                net = Regressor().to(local_rank)
+                ddp = nn.parallel.DistributedDataParallel(net, device_ids=[local_rank])
+                for batch in loader:
+                    loss = compute_loss(net, batch)
+                    loss.backward()
+                    opt.step()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, model, gpu):
+                    self.model = DistributedDataParallel(model, device_ids=[gpu])
+
+                def step(self, x, y):
+                    with torch.autocast("cuda"):
+                        pred = self.model.module(x)  # expect: DD102
+                        loss = torch.nn.functional.cross_entropy(pred, y)
+                    self.scaler.scale(loss).backward()
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            for images, labels in loader:
+                loss = criterion(model(images), labels)
+                loss.backward()
+                optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                preds = model.module(val_images)
+            """
+        ),
+        Example(
+            """
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            if rank == 0:
+                sample = model.module(noise)  # a preview: nothing is trained on it
+                save_image(sample, "preview.png")
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            @torch.no_grad()
+            def evaluate(model, loader):
+                return [model.module(x) for x in loader]
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                loss.backward()
+            evaluate(model, val_loader)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace in ctx.traces:
+            for step, call in trace.calls():
+                wrapper = _bypassed_wrapper(trace, step, call)
+                if wrapper is None or ctx.grad_disabled(step):
+                    continue
+                if not _reaches_backward(ctx, trace, step, call):
+                    continue
+                name = wrapper.name or "the DDP model"
+                yield Report(
+                    call,
+                    f"this forward goes around the DistributedDataParallel wrapper `{name}` and its result "
+                    f"reaches backward(): its gradients are never all-reduced and the replicas drift apart. "
+                    f"Call the wrapper itself: `{name}(...)`.",
+                )
+
+
+def _bypassed_wrapper(trace: Trace, step: Step, call: cst.Call) -> Value | None:
+    """The DDP wrapper whose inner module `call` calls directly, if any."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and func.attr.value == "module":
+        outer = trace.value(func.value, step)
+        if outer is not None and outer.kind == flow.DDP:
+            return outer
+        return None
+    if not isinstance(func, (cst.Name, cst.Attribute)) or dotted(func) is None:
+        return None
+    value = trace.value(func, step)
+    if value is None or value.kind in (flow.DDP, flow.CONST, flow.TUPLE) or value.node is None:
+        return None
+    for other in step.env.values():
+        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
+            return other
+    return None
+
+
+def _reaches_backward(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
+    if any(ctx.is_backward(other) for other in flow.own_calls(step.node)):
+        return True
+    seeds = {(step.frame.id, name) for name in _assigned_names(step.node)}
+    if isinstance(step.node, cst.Return) and step.frame.call is not None:
+        # `return net(x)` in a helper: follow the call site instead.
+        caller = next((s for s in trace.steps[step.index :] if any(c is step.frame.call for c in flow.own_calls(s.node))), None)
+        if caller is None:
+            return False
+        if any(ctx.is_backward(other) for other in flow.own_calls(caller.node)):
+            return True
+        seeds = {(caller.frame.id, name) for name in _assigned_names(caller.node)}
+        step = caller
+    if not seeds:
+        return False
+    for later, uses in ctx.data_flow(trace, step, seeds):
+        if uses and any(ctx.is_backward(other) for other in flow.own_calls(later.node)):
+            return True
+    return False

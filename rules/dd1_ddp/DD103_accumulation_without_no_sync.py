@@ -1,0 +1,297 @@
+"""DD103 accumulation-without-no-sync: every micro-batch's backward all-reduces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.rule import Example, Report, Rule
+
+# Any of these attributes in the code means the script controls gradient sync itself.
+SYNC_CONTROL = frozenset({"no_sync", "require_backward_grad_sync"})
+# ... and so does a call of one of these methods (`with accelerator.accumulate(model):`); as a
+# plain attribute (`self.accumulate = 8`, an accumulation count) it says nothing about sync.
+SYNC_CONTROL_CALLS = frozenset({"accumulate"})
+
+
+class AccumulationWithoutNoSync(Rule):
+    """
+    ## What it does
+    Flags gradient accumulation on a `DistributedDataParallel` model without `no_sync()`: a
+    `backward()` runs for every micro-batch while the optimizer steps only every k of them (the
+    step under `if (i + 1) % accum == 0:`, or the backward in an inner micro-batch loop that the
+    step follows), and the script never uses `model.no_sync()` (or sets
+    `require_backward_grad_sync`, or calls `accelerator.accumulate(model)`). An attribute that
+    merely holds the accumulation count (`self.accumulate = 8`) is no sync control. The finding
+    points at the backward call.
+
+    ## Why is this bad?
+    DDP all-reduces the gradients in every backward pass it sees. With accumulation only the last
+    micro-batch's all-reduce is needed; the k-1 others move the full gradient over the network
+    for nothing, often the largest cost of a step. The result is the same, only slower.
+
+    ## Example
+    ```python
+    for i, (x, y) in enumerate(loader):
+        loss = criterion(ddp_model(x), y) / accum
+        loss.backward()
+        if (i + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    ```
+
+    ## Use instead
+    ```python
+    for i, (x, y) in enumerate(loader):
+        last = (i + 1) % accum == 0
+        with contextlib.nullcontext() if last else ddp_model.no_sync():
+            loss = criterion(ddp_model(x), y) / accum
+            loss.backward()
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+    ```
+
+    ## Fix safety
+    No autofix: the forward must move into the `no_sync()` block together with the backward.
+    """
+
+    code = "DD103"
+    name = "accumulation-without-no-sync"
+    severity = "warning"
+    summary = "gradient accumulation on DDP without no_sync(): k-1 wasted all-reduces per step"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for i, (x, y) in enumerate(loader):
+                loss = criterion(model(x), y) / args.accum_steps
+                loss.backward()  # expect: DD103
+                if (i + 1) % args.accum_steps == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.nn as nn
+
+            def train(model, batches, optimizer, micro):
+                for batch in batches:
+                    for chunk in batch.chunk(micro):
+                        loss = model(chunk).mean() / micro
+                        loss.backward()  # expect: DD103
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+            def main(gpu):
+                model = nn.parallel.DistributedDataParallel(Net().cuda(gpu), device_ids=[gpu])
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                train(model, loader, optimizer, 4)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, net, gpu, accum):
+                    self.model = DistributedDataParallel(net, device_ids=[gpu])
+                    self.optimizer = torch.optim.Adam(self.model.parameters())
+                    self.scaler = torch.cuda.amp.GradScaler()
+                    self.accum = accum
+
+                def run(self, loader):
+                    for step, (x, y) in enumerate(loader):
+                        with torch.autocast("cuda"):
+                            loss = self.model(x, y)
+                        self.scaler.scale(loss / self.accum).backward()  # expect: DD103
+                        if step % self.accum == 0:
+                            self.scaler.step(self.optimizer)
+                            self.scaler.update()
+                            self.optimizer.zero_grad()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def __init__(self, net, gpu, accumulate=8):
+                    self.model = DDP(net.cuda(gpu), device_ids=[gpu])
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+                    self.accumulate = accumulate
+
+                def epoch(self, loader):
+                    for i, (x, y) in enumerate(loader):
+                        (self.model(x, y) / self.accumulate).backward()  # expect: DD103
+                        if (i + 1) % self.accumulate == 0:
+                            self.optimizer.step()
+                            self.optimizer.zero_grad()
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import contextlib
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for i, (x, y) in enumerate(loader):
+                last = (i + 1) % accum == 0
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = criterion(model(x), y) / accum
+                    loss.backward()
+                if last:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(GPT().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)
+            for it in range(max_iters):
+                for micro_step in range(grad_accum):
+                    model.require_backward_grad_sync = micro_step == grad_accum - 1
+                    loss = model(X, Y) / grad_accum
+                    loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i, (x, y) in enumerate(loader):
+                loss = criterion(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if i % 100 == 0:
+                    scheduler.step()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for i, (x, y) in enumerate(loader):
+                with accelerator.accumulate(model):
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                if (i + 1) % 4 == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.uses_torch_distributed or _controls_sync(ctx):
+            return
+        for trace in ctx.traces:
+            for step, call in trace.calls():
+                if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:
+                    continue
+                for backward_step, backward in _accumulated_backwards(ctx, trace, step):
+                    if not any(value.kind == flow.DDP for value in backward_step.env.values()):
+                        continue
+                    yield Report(
+                        backward,
+                        "gradient accumulation on a DDP model without no_sync(): every micro-batch's backward "
+                        "all-reduces, though only the last one before optimizer.step() needs to. Run the other "
+                        "micro-batches' forward and backward inside `with model.no_sync():`.",
+                    )
+
+
+def _controls_sync(ctx: LintContext) -> bool:
+    for node in ctx.nodes(cst.Attribute, cst.Name):
+        if isinstance(node, cst.Attribute) and node.attr.value in SYNC_CONTROL:
+            return True
+        if isinstance(node, cst.Name) and "no_sync" in node.value:
+            return True
+    return any(
+        isinstance(call.func, cst.Attribute) and call.func.attr.value in SYNC_CONTROL_CALLS
+        for call in ctx.nodes(cst.Call)
+    )
+
+
+def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
+    if ctx.stepped_optimizer(trace, step, call) is not None:
+        return True
+    if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"):
+        return False
+    text = (flow.dotted(call.func.value) or "").lower()
+    return "optim" in text and "sched" not in text
+
+
+def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterable[tuple[Step, cst.Call]]:
+    """Backward calls of the optimizer step's loop that run more often than the step: in a loop
+    nested inside it, or outside a `%` condition that guards the step."""
+    loop = step.loops[-1]
+    step_guards = {id(guard.test) for guard in step.guards}
+    for other in trace.steps:
+        if not other.in_loop(loop):
+            continue
+        for call in flow.own_calls(other.node):
+            if not ctx.is_backward(call):
+                continue
+            deeper = other.loops[other.loops.index(loop) + 1 :]
+            if deeper and not any(step.in_loop(nested) for nested in deeper):
+                if not _steps_inside(ctx, trace, deeper[0]):
+                    yield other, call
+                continue
+            other_guards = {id(guard.test) for guard in other.guards}
+            extra = [guard for guard in step.guards if id(guard.test) not in other_guards and not guard.negated]
+            if any(_is_periodic(guard.test) for guard in extra) and step_guards - other_guards:
+                yield other, call
+
+
+def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
+    """Whether an optimizer steps inside `loop` (then it is no micro-batch loop)."""
+    return any(
+        _is_optimizer_step(ctx, trace, other, call)
+        for other in trace.steps
+        if other.in_loop(loop)
+        for call in flow.own_calls(other.node)
+    )
+
+
+def _is_periodic(test: cst.BaseExpression) -> bool:
+    """`(i + 1) % accum == 0`, `not step % k`, `... or last_batch`: a test true every k iterations."""
+    for node in flow.walk(test):
+        if (
+            isinstance(node, cst.BinaryOperation)
+            and isinstance(node.operator, cst.Modulo)
+            and not isinstance(node.left, (cst.SimpleString, cst.FormattedString))
+        ):
+            return True
+        if isinstance(node, cst.Name) and "accum" in node.value.lower():
+            return True
+    return False

@@ -1,0 +1,185 @@
+"""DD105 params-changed-after-wrap: a submodule or parameter of a DDP-wrapped model replaced later."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext, wrapper_holding
+from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+# Attributes whose assignment changes no parameter: flags, in-place tensor data, gradients.
+NOT_PARAMETERS = frozenset({"data", "grad", "requires_grad", "training", "device", "dtype"})
+
+
+class ParamsChangedAfterWrap(Rule):
+    """
+    ## What it does
+    Flags an assignment that replaces a submodule or parameter of a model after the model was
+    wrapped in `DistributedDataParallel`: `model.module.head = nn.Linear(...)`,
+    `net.fc = ...` where `net` is the module passed to `DDP(net)`,
+    `model.module.fc.weight = nn.Parameter(...)`. The assigned value must be something that can
+    hold parameters (a call, a module); flags such as `.training`, in-place `.data` and
+    `.requires_grad` are not flagged.
+
+    ## Why is this bad?
+    At construction DDP records the parameters, broadcasts them from rank 0 and installs a
+    gradient hook on each. A module assigned afterwards brings new parameters that DDP does not
+    know: their gradients are never all-reduced and their initial values differ per rank, so the
+    replicas diverge (or the next backward fails with "Expected to have finished reduction").
+
+    ## Example
+    ```python
+    model = DDP(backbone, device_ids=[local_rank])
+    model.module.fc = nn.Linear(2048, num_classes)
+    ```
+
+    ## Use instead
+    ```python
+    backbone.fc = nn.Linear(2048, num_classes)
+    model = DDP(backbone, device_ids=[local_rank])
+    ```
+
+    ## Fix safety
+    No autofix: the change has to move above the wrap, and what it depends on may not exist
+    there yet.
+    """
+
+    code = "DD105"
+    name = "params-changed-after-wrap"
+    severity = "error"
+    summary = "submodule or parameter of the wrapped model replaced after DDP(...)"
+
+    invalid = (
+        Example(
+            """
+            import torch.nn as nn
+            import torchvision
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = torchvision.models.resnet50().cuda()
+            model = DDP(model, device_ids=[local_rank])
+            model.module.fc = nn.Linear(2048, 10).cuda()  # expect: DD105
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch import nn
+
+            def main(gpu):
+                net = Backbone().cuda(gpu)
+                ddp_net = nn.parallel.DistributedDataParallel(net, device_ids=[gpu])
+                net.classifier = build_head(512, 100)  # expect: DD105
+                train(ddp_net)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, model, gpu):
+                    self.model = DistributedDataParallel(model, device_ids=[gpu])
+
+                def extend_vocab(self, n):
+                    emb = self.model.module.embed
+                    self.model.module.embed.weight = torch.nn.Parameter(grow(emb.weight, n))  # expect: DD105
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = Backbone()
+            model.fc = nn.Linear(2048, 10)
+            model = DDP(model.cuda(), device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            model.module.training = False
+            model.module.temperature = 0.07
+            for p in model.module.parameters():
+                p.data = p.data.float()
+            """
+        ),
+        Example(
+            """
+            import torch.nn as nn
+
+            class DDP(nn.Module):  # a local class, not DistributedDataParallel
+                def __init__(self, m):
+                    super().__init__()
+                    self.module = m
+
+            model = DDP(Net())
+            model.module.fc = nn.Linear(10, 2)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace in ctx.traces:
+            for step in trace.steps:
+                node = step.node
+                if isinstance(node, cst.Assign):
+                    targets = [t.target for t in node.targets]
+                elif isinstance(node, cst.AnnAssign) and node.value is not None:
+                    targets = [node.target]
+                else:
+                    continue
+                if not _holds_parameters(ctx, trace, step, node.value):
+                    continue
+                for target in targets:
+                    if not isinstance(target, cst.Attribute) or target.attr.value in NOT_PARAMETERS:
+                        continue
+                    wrapper = _wrapped_prefix(trace, step, target.value)
+                    if wrapper is None:
+                        continue
+                    line = ctx.position(wrapper.node).start.line if wrapper.node is not None else "?"
+                    yield Report(
+                        target,
+                        f"`{dotted(target) or ctx.code(target)}` is replaced after the model was wrapped in "
+                        f"DistributedDataParallel (line {line}): DDP never syncs the new parameters. Make this "
+                        f"change before the wrap.",
+                    )
+
+
+def _wrapped_prefix(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value | None:
+    """The wrapper whose module is `expr` or one of its attribute prefixes."""
+    while True:
+        wrapper = wrapper_holding(trace, step, expr)
+        if wrapper is not None:
+            return wrapper
+        if not isinstance(expr, cst.Attribute):
+            return None
+        expr = expr.value
+
+
+def _holds_parameters(ctx: LintContext, trace: Trace, step: Step, value: cst.BaseExpression) -> bool:
+    """A call or a module: something that may carry parameters. Literals, names of plain data and
+    torch functions that build bare tensors do not."""
+    evaluated = trace.value(value, step)
+    if evaluated is not None and evaluated.kind in (flow.MODULE, flow.DDP, flow.INSTANCE):
+        return True
+    inner = value
+    while isinstance(inner, cst.Call) and isinstance(inner.func, cst.Attribute) and inner.func.attr.value in ("to", "cuda", "cpu", "half", "float", "requires_grad_"):
+        inner = inner.func.value
+    if not isinstance(inner, cst.Call):
+        return False
+    qual = ctx.qualname(inner.func)
+    if qual is None:
+        return True  # a builder or a class of this project
+    return qual.startswith("torch.nn.") or qual.startswith(("torchvision.models", "timm", "transformers", "copy.deepcopy"))

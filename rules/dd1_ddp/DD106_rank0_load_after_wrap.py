@@ -1,0 +1,167 @@
+"""DD106 rank0-load-after-wrap: weights loaded on rank 0 only, after DDP already broadcast them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.rule import Example, Report, Rule
+from distdoctor.lint.analysis.context import wrapper_holding
+
+
+class Rank0LoadAfterWrap(Rule):
+    """
+    ## What it does
+    Flags `load_state_dict(...)` on a DDP-wrapped model (the wrapper, `wrapper.module`, or the
+    module passed to `DDP(...)`) that runs only on rank 0 (`if rank == 0:`,
+    `if is_main_process():`, a helper called under such a guard) after the wrap, when no
+    broadcast (`dist.broadcast`, `broadcast_object_list`, `hvd.broadcast_parameters`) follows on
+    every rank.
+
+    ## Why is this bad?
+    DDP broadcasts rank 0's parameters once, when the wrapper is constructed; it never does so
+    again (only buffers are re-broadcast in forward). Weights loaded afterwards on rank 0 alone
+    stay on rank 0: every other rank trains from its own random initialisation, and gradient
+    averaging mixes models that have nothing in common.
+
+    ## Example
+    ```python
+    model = DDP(model, device_ids=[local_rank])
+    if dist.get_rank() == 0:
+        model.module.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))
+    ```
+
+    ## Use instead
+    ```python
+    model.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))  # every rank
+    model = DDP(model, device_ids=[local_rank])
+    ```
+
+    ## Fix safety
+    No autofix: the load must move before the wrap and run on every rank, with a
+    `map_location` valid on each.
+    """
+
+    code = "DD106"
+    name = "rank0-load-after-wrap"
+    severity = "error"
+    summary = "load_state_dict on rank 0 only after the DDP wrap: ranks train from different weights"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            if dist.get_rank() == 0:
+                state = torch.load("pretrained.pt", map_location="cpu")
+                model.module.load_state_dict(state)  # expect: DD106
+            train(model)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch import nn
+            from utils import is_main_process
+
+            def resume(model, path):
+                ckpt = torch.load(path, map_location="cpu")
+                model.load_state_dict(ckpt["model"])  # expect: DD106
+
+            def main(args):
+                net = Net().cuda()
+                model = nn.parallel.DistributedDataParallel(net, device_ids=[args.gpu])
+                if args.resume and is_main_process():
+                    resume(model, args.resume)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Runner:
+                def __init__(self, net, rank):
+                    self.rank = rank
+                    self.net = net.cuda()
+                    self.ddp = DistributedDataParallel(self.net, device_ids=[rank])
+
+                def warm_start(self, path):
+                    if self.rank != 0:
+                        return
+                    self.net.load_state_dict(torch.load(path, map_location="cpu"))  # expect: DD106
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = Net().cuda()
+            model.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))
+            model = DDP(model, device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            if dist.get_rank() == 0:
+                model.module.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))
+            for p in model.module.state_dict().values():
+                dist.broadcast(p, src=0)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            model.module.load_state_dict(torch.load("last.pt", map_location="cpu"))  # every rank
+            if dist.get_rank() == 0:
+                optimizer.load_state_dict(torch.load("opt.pt", map_location="cpu"))
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace, step, call in ctx.method_calls("load_state_dict"):
+            wrapper = wrapper_holding(trace, step, call.func.value)
+            if wrapper is None:
+                receiver = trace.value(call.func.value, step)
+                wrapper = receiver if receiver is not None and receiver.kind == flow.DDP else None
+            if wrapper is None or not ctx.under_rank_zero(trace, step):
+                continue
+            if _broadcast_follows(ctx, trace, step):
+                continue
+            line = ctx.position(wrapper.node).start.line if wrapper.node is not None else "?"
+            yield Report(
+                call,
+                f"weights are loaded on rank 0 only, after DistributedDataParallel broadcast them at construction "
+                f"(line {line}): the other ranks keep their own weights. Load on every rank before wrapping "
+                f"(or broadcast the parameters from rank 0 afterwards).",
+            )
+
+
+def _broadcast_follows(ctx: LintContext, trace: flow.Trace, step: flow.Step) -> bool:
+    for later in trace.steps[step.index + 1 :]:
+        for call in flow.own_calls(later.node):
+            name = ctx.collective_name(call)
+            if name is not None and "broadcast" in name and not ctx.rank_guards(trace, later):
+                return True
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("_sync_params", "_sync_module_states", "sync_params"):
+                return True
+    return False

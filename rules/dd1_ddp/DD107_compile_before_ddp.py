@@ -1,0 +1,181 @@
+"""DD107 compile-before-ddp: torch.compile applied to the model before the DDP wrap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.rule import Example, Report, Rule
+
+COMPILE = "torch.compile"
+DDP = "torch.nn.parallel.DistributedDataParallel"
+PASSTHROUGH = frozenset({"to", "cuda", "train", "float", "half", "bfloat16"})
+
+
+class CompileBeforeDDP(Rule):
+    """
+    ## What it does
+    Flags `torch.compile(model)` whose result is then wrapped in `DistributedDataParallel`
+    (directly, through a variable, through a helper's parameter, or as what a builder of the same
+    module returns: `DDP(build_model(), ...)` where `build_model` ends in `return torch.compile(m)`).
+
+    ## Why is this bad?
+    The PyTorch documentation of DDP with TorchDynamo says to apply the DDP wrapper first and
+    compile the wrapped model: DDP's optimizer then splits the compiled graph at the gradient
+    bucket boundaries, so all-reduce overlaps with the backward pass. Compiling first works, but
+    the wrapper sees an `OptimizedModule` (its state dict keys gain `_orig_mod.`) and the
+    compiled graph cannot be split for communication overlap. This is advice (info), not an error.
+
+    ## Example
+    ```python
+    model = torch.compile(model)
+    model = DDP(model, device_ids=[local_rank])
+    ```
+
+    ## Use instead
+    ```python
+    model = DDP(model, device_ids=[local_rank])
+    model = torch.compile(model)
+    ```
+
+    ## Fix safety
+    No autofix: code between the two lines may rely on the compiled module.
+    """
+
+    code = "DD107"
+    name = "compile-before-ddp"
+    severity = "info"
+    summary = "torch.compile before the DDP wrap: wrap first, then compile"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = GPT(config).to(device)
+            model = torch.compile(model)  # expect: DD107
+            model = DDP(model, device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.nn as nn
+
+            def build(cfg, gpu):
+                net = ResNet(cfg).cuda(gpu)
+                return nn.parallel.DistributedDataParallel(torch.compile(net, mode="max-autotune"), device_ids=[gpu])  # expect: DD107
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            def wrap(m, rank):
+                return DistributedDataParallel(m, device_ids=[rank])
+
+            def main(rank):
+                compiled = torch.compile(Net()).to(rank)  # expect: DD107
+                model = wrap(compiled, rank)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            def build_model(compile_model=True):
+                model = Net()
+                if compile_model:
+                    model = torch.compile(model)  # expect: DD107
+                return model
+            def main(gpu):
+                model = DDP(build_model().cuda(gpu), device_ids=[gpu])
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().to(device), device_ids=[local_rank])
+            model = torch.compile(model)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            loss_fn = torch.compile(compute_loss)
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            class DDP:  # a local class, not DistributedDataParallel
+                def __init__(self, m):
+                    self.m = m
+
+            model = DDP(torch.compile(Net()))
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            def build_model():
+                model = Net()
+                model.loss = torch.compile(model.loss)
+                return model
+            def main(gpu):
+                model = torch.compile(DDP(build_model().cuda(gpu), device_ids=[gpu]))
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace, step, call in ctx.calls(DDP):
+            wrapped = flow.argument(call, 0, "module")
+            if wrapped is None:
+                continue
+            compiled = _compile_call(ctx, trace, step, wrapped, 0)
+            if compiled is None:
+                continue
+            yield Report(
+                compiled,
+                "torch.compile runs before the model is wrapped in DistributedDataParallel: wrap first and compile "
+                "the wrapper (`model = torch.compile(DDP(model, ...))`), as the PyTorch docs advise, so DDP can "
+                "overlap its all-reduce with the compiled backward.",
+            )
+
+
+def _compile_call(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int) -> cst.Call | None:
+    """The `torch.compile(...)` call whose result `expr` is, through `.to()`/`.cuda()`, names and
+    helper parameters."""
+    if depth > 6:
+        return None
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in PASSTHROUGH:
+        expr = expr.func.value
+    if isinstance(expr, cst.Call):
+        if ctx.qualname(expr.func) == COMPILE:
+            return expr
+        # A builder of this module (`wrap(build_model(), gpu)`): what its last `return` gives back.
+        returns = [s for s in trace.steps[: step.index] if s.frame.call is expr and isinstance(s.node, cst.Return)]
+        if returns and returns[-1].node.value is not None:
+            return _compile_call(ctx, trace, returns[-1], returns[-1].node.value, depth + 1)
+        return None
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        found = ctx.binding(trace, step, expr)
+        if found is not None:
+            return _compile_call(ctx, trace, found[0], found[1], depth + 1)
+    return None

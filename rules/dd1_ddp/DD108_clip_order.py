@@ -1,0 +1,243 @@
+"""DD108 clip-order: gradient clipping at a point where it cannot affect the update."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.rule import Example, Report, Rule
+
+CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm")
+
+BACKWARD, SCALED_BACKWARD, STEP, UNSCALE, ZERO = "backward", "scaled-backward", "step", "unscale", "zero_grad"
+
+
+class ClipOrder(Rule):
+    """
+    ## What it does
+    Flags `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` in a training loop when, in the
+    same iteration, it runs before `backward()`, after the optimizer's `step()` (with no new
+    backward in between), or after a `GradScaler`'s `scaler.scale(loss).backward()` without
+    `scaler.unscale_(optimizer)` between the backward pass and the clip.
+
+    ## Why is this bad?
+    Clipping acts on the `.grad` tensors present at that moment. Before `backward()` they are the
+    previous iteration's (or zeros); after `step()` the update has already been applied. With a
+    `GradScaler`, the gradients are still multiplied by the loss scale (often 2**16), so the norm
+    is compared with `max_norm` on the wrong scale and clipping either does nothing useful or
+    clips everything. In each case training runs without the clipping it was meant to have.
+
+    ## Example
+    ```python
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    ```
+
+    ## Use instead
+    ```python
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    ```
+
+    ## Fix safety
+    No autofix: which optimizer to unscale, and where the clip belongs, depend on the loop.
+    """
+
+    code = "DD108"
+    name = "clip-order"
+    severity = "warning"
+    summary = "gradient clipping before backward, after step, or on scaled gradients"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            scaler = torch.cuda.amp.GradScaler()
+            for x, y in loader:
+                with torch.autocast("cuda"):
+                    loss = criterion(model(x), y)
+                optimizer.zero_grad()
+                scaler.scale(loss).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # expect: DD108
+                scaler.step(optimizer)
+                scaler.update()
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.nn.utils import clip_grad_norm_
+
+            dist.init_process_group("nccl")
+            for batch in loader:
+                optimizer.zero_grad()
+                loss = model(batch).loss
+                clip_grad_norm_(model.parameters(), max_norm=0.5)  # expect: DD108
+                loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def __init__(self, model, gpu):
+                    self.model = DDP(model, device_ids=[gpu])
+
+                def train_epoch(self):
+                    for x, y in self.loader:
+                        loss = self.criterion(self.model(x), y)
+                        self.optimizer.zero_grad()
+                        loss.backward()
+                        self.optimizer.step()
+                        nn.utils.clip_grad_value_(self.model.parameters(), 5.0)  # expect: DD108
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            scaler = torch.cuda.amp.GradScaler()
+            for x, y in loader:
+                optimizer.zero_grad()
+                scaler.scale(criterion(model(x), y)).backward()
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            for step, batch in enumerate(loader):
+                loss = model(batch) / accum
+                loss.backward()
+                if (step + 1) % accum == 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                if use_amp:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                optimizer.zero_grad()
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        for trace, step, call in ctx.calls(*CLIP):
+            if not step.loops:
+                continue
+            events = _events(ctx, trace, step.loops[-1])
+            here = next((i for i, (s, c, _) in enumerate(events) if c is call), None)
+            if here is None:
+                continue
+            before = [kind for _, _, kind in events[:here]]
+            after = [kind for _, _, kind in events[here + 1 :]]
+            backward_kinds = (BACKWARD, SCALED_BACKWARD)
+            last_backward = max((i for i, kind in enumerate(before) if kind in backward_kinds), default=None)
+            last_step = max((i for i, kind in enumerate(before) if kind in (STEP, ZERO)), default=None)
+            message = None
+            if last_backward is None and any(kind in backward_kinds for kind in after):
+                message = (
+                    "gradients are clipped before backward() computes them in this iteration: clipping acts on "
+                    "stale gradients. Clip between backward() and optimizer.step()."
+                )
+            elif last_step is not None and (last_backward is None or last_step > last_backward):
+                message = (
+                    "gradients are clipped after optimizer.step() (or zero_grad()) has used them: the clip "
+                    "changes nothing. Clip between backward() and optimizer.step()."
+                )
+            elif (
+                last_backward is not None
+                and before[last_backward] == SCALED_BACKWARD
+                and UNSCALE not in before[last_backward + 1 :]
+            ):
+                message = (
+                    "gradients are clipped while still multiplied by the GradScaler's loss scale: call "
+                    "`scaler.unscale_(optimizer)` before clipping."
+                )
+            if message is not None:
+                yield Report(call, message)
+
+
+def _events(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> list[tuple[Step, cst.Call, str | None]]:
+    """Backward passes, scaler unscales, optimizer steps and clips of one loop body, in order."""
+    events: list[tuple[Step, cst.Call, str | None]] = []
+    for step in trace.steps:
+        if not step.in_loop(loop):
+            continue
+        for call in flow.own_calls(step.node):
+            kind = None
+            if ctx.is_backward(call):
+                receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
+                scaled = (
+                    isinstance(receiver, cst.Call)
+                    and isinstance(receiver.func, cst.Attribute)
+                    and receiver.func.attr.value == "scale"
+                    and _is_scaler(trace, step, receiver.func.value)
+                )
+                kind = SCALED_BACKWARD if scaled else BACKWARD
+            elif isinstance(call.func, cst.Attribute) and call.func.attr.value == "unscale_":
+                kind = UNSCALE
+            elif ctx.stepped_optimizer(trace, step, call) is not None or (
+                isinstance(call.func, cst.Attribute) and call.func.attr.value == "step" and _is_optimizer(trace, step, call.func.value)
+            ):
+                kind = STEP
+            elif isinstance(call.func, cst.Attribute) and call.func.attr.value == "zero_grad" and _is_optimizer(trace, step, call.func.value):
+                kind = ZERO
+            elif ctx.qualname(call.func) in CLIP:
+                kind = "clip"
+            if kind is not None:
+                events.append((step, call, kind))
+    return events
+
+
+def _is_scaler(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+    value = trace.value(expr, step)
+    if value is not None and value.kind == flow.SCALER:
+        return True
+    text = (flow.dotted(expr) or "").lower()
+    return "scaler" in text
+
+
+def _is_optimizer(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+    value = trace.value(expr, step)
+    if value is not None and value.kind in (flow.OPTIMIZER, flow.HVD_OPTIMIZER):
+        return True
+    text = (flow.dotted(expr) or "").lower()
+    return "optim" in text and "sched" not in text

@@ -1,0 +1,373 @@
+"""DD201 missing-set-epoch: a shuffling DistributedSampler never told the epoch."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable, Iterator
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.finding import Fix
+from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+FRAMEWORKS = ("pytorch_lightning", "lightning", "accelerate", "composer", "ignite")
+EVAL_WORDS = ("val", "test", "eval", "valid")
+
+
+class MissingSetEpoch(Rule):
+    """
+    ## What it does
+    Flags an epoch loop that iterates a `DataLoader` over a shuffling `DistributedSampler` when
+    no `set_epoch` ever reaches that sampler: neither `sampler.set_epoch(epoch)`, nor
+    `loader.sampler.set_epoch(epoch)`, nor a call inside a function of the same module that the
+    loop runs. The finding points at the epoch loop, where the call belongs.
+
+    ## Why is this bad?
+    `DistributedSampler` seeds its shuffle with `seed + epoch`. Without `set_epoch`, the epoch
+    stays 0, so every epoch visits the samples in the same order on every rank: the shuffle the
+    training recipe relies on never happens, and models train measurably worse. The PyTorch
+    docstring of `DistributedSampler` says to call `set_epoch()` at the beginning of each epoch
+    *before* creating the `DataLoader` iterator.
+
+    Silent for `shuffle=False` samplers, for loaders whose name says they are for evaluation,
+    in scripts driven by a framework that calls `set_epoch` itself (Lightning, accelerate), and
+    when the sampler itself is handed to a function of another module, which may call
+    `set_epoch` where distdoctor cannot see it. A loader handed to such a function is still
+    reported: iterating it is what that function is for.
+
+    ## Example
+    ```python
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+    for epoch in range(args.epochs):
+        for x, y in loader:
+            train_step(x, y)
+    ```
+
+    ## Use instead
+    ```python
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            train_step(x, y)
+    ```
+
+    ## Fix safety
+    Safe when the sampler is a plain name bound in the function that runs the epoch loop and the
+    loop variable is a plain name: `sampler.set_epoch(epoch)` is inserted as the loop's first
+    statement. Otherwise no fix is offered.
+    """
+
+    code = "DD201"
+    name = "missing-set-epoch"
+    severity = "warning"
+    summary = "DistributedSampler shuffles but set_epoch() is never called"
+
+    invalid = (
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+            for epoch in range(10):  # expect: DD201
+                for x, y in loader:
+                    step(x, y)
+            """,
+            fixed="""
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+            for epoch in range(10):  # expect: DD201
+                sampler.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)
+            """,
+        ),
+        Example(
+            """
+            import torch.utils.data.distributed as tud
+            from torch.utils.data import DataLoader
+
+            def train_one_epoch(model, loader):
+                for i, (x, y) in enumerate(loader):
+                    model(x).sum().backward()
+
+            def main(args):
+                train_loader = DataLoader(ds, sampler=tud.DistributedSampler(ds, shuffle=True))
+                for epoch in range(args.start_epoch, args.epochs):  # expect: DD201
+                    train_one_epoch(model, train_loader)
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            class Trainer:
+                def __init__(self, dataset):
+                    self.sampler = torch.utils.data.DistributedSampler(dataset)
+                    self.loader = torch.utils.data.DataLoader(dataset, sampler=self.sampler)
+
+                def fit(self, epochs):
+                    for epoch in range(epochs):  # expect: DD201
+                        for batch in self.loader:
+                            self.step(batch)
+
+                def step(self, batch):
+                    pass
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+            from engine import train_one_epoch  # another module iterates the loader
+
+            train_sampler = DistributedSampler(train_set)
+            train_loader = DataLoader(train_set, sampler=train_sampler, batch_size=32)
+            for epoch in range(args.epochs):  # expect: DD201
+                train_one_epoch(model, train_loader, optimizer, epoch)
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def main():
+                dist.init_process_group("gloo")
+                sampler = DistributedSampler(ds)
+                loader = DataLoader(ds, sampler=sampler, batch_size=8)
+                epoch = 0
+                while epoch < 100:  # expect: DD201
+                    batches = iter(loader)
+                    for _ in range(len(loader)):
+                        step(next(batches))
+                    epoch += 1
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, sampler=sampler)
+            for epoch in range(10):
+                sampler.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            loader = DataLoader(dataset, sampler=DistributedSampler(dataset))
+            for epoch in range(10):
+                loader.sampler.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def run_epoch(loader, epoch):
+                loader.sampler.set_epoch(epoch)
+                for batch in loader:
+                    step(batch)
+
+            loader = DataLoader(dataset, sampler=DistributedSampler(dataset))
+            for epoch in range(10):
+                run_epoch(loader, epoch)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset, shuffle=False)
+            loader = DataLoader(dataset, sampler=sampler)
+            for epoch in range(10):
+                for batch in loader:
+                    step(batch)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set))
+            for epoch in range(10):
+                for batch in val_loader:
+                    evaluate(batch)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+            from utils.train_utils import train  # may call sampler.set_epoch: unknown, so silent
+
+            sampler = DistributedSampler(ds, shuffle=True)
+            loader = DataLoader(ds, sampler=sampler)
+            for epoch in range(10):
+                train(model, loader, epoch, sampler=sampler)
+            """
+        ),
+        Example(
+            """
+            import lightning as L
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            loader = DataLoader(ds, sampler=DistributedSampler(ds))
+            for epoch in range(3):
+                trainer.fit(model, loader)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if ctx.imports.imports_any(FRAMEWORKS):
+            return
+        if self._unresolved_set_epoch(ctx):
+            return  # some set_epoch reaches a sampler we cannot identify: stay silent
+        reached = self._samplers_with_set_epoch(ctx)
+        reported: set[int] = set()
+        for trace, use_step, sampler, loader in self._epoch_uses(ctx):
+            if any(sampler.same_object(other) for other in reached):
+                continue
+            loop = use_step.loops[-1]  # the innermost loop around the draw: the epoch loop
+            loop_step = _step_of(trace, loop)
+            if loop_step is None or id(loop) in reported:
+                continue
+            reported.add(id(loop))
+            name = sampler.name or (f"{loader.name}.sampler" if loader is not None and loader.name else "sampler")
+            epoch = loop.target.value if isinstance(loop, cst.For) and isinstance(loop.target, cst.Name) else "epoch"
+            anchor = loop.iter if isinstance(loop, cst.For) else loop.test
+            yield Report(
+                anchor,
+                f"the DistributedSampler `{name}` shuffles, but set_epoch() is never called: every epoch "
+                f"repeats the same order. Call `{name}.set_epoch({epoch})` at the start of this loop.",
+                fix=_insert_set_epoch(ctx, trace, loop, loop_step, sampler),
+            )
+
+    def _unresolved_set_epoch(self, ctx: LintContext) -> bool:
+        for trace, step, call in ctx.method_calls("set_epoch"):
+            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
+            if receiver is None or receiver.kind not in (flow.SAMPLER, flow.LOADER):
+                return True
+        return False
+
+    def _samplers_with_set_epoch(self, ctx: LintContext) -> list[Value]:
+        """Samplers some `set_epoch` reaches, or that are handed to a function of another module
+        (`train(model, loader, epoch, sampler=sampler)`), which may well call it: unknown, so
+        they count as reached."""
+        found = []
+        for trace, step, call in _external_calls(ctx):
+            for arg in call.args:
+                value = trace.value(arg.value, step)
+                if value is not None and value.kind == flow.SAMPLER:
+                    found.append(value)
+        for trace, step, call in ctx.method_calls("set_epoch"):
+            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
+            if receiver is not None and receiver.kind == flow.LOADER and receiver.inner is not None:
+                receiver = receiver.inner
+            if receiver is not None:
+                found.append(receiver)
+        return found
+
+    def _epoch_uses(self, ctx: LintContext) -> Iterator[tuple[Trace, Step, Value, Value | None]]:
+        """Steps inside a loop that draw from a shuffling DistributedSampler: iterating its loader
+        (or the sampler), or handing the loader to a function of another module."""
+        for trace in ctx.traces:
+            for step in trace.steps:
+                if not step.loops:
+                    continue
+                candidates: list[cst.BaseExpression] = []
+                if isinstance(step.node, cst.For):
+                    candidates.append(_unwrap_iter(step.node.iter))
+                for call in flow.own_calls(step.node):
+                    if _hands_loader_away(ctx, call):
+                        candidates.extend(arg.value for arg in call.args)
+                    elif dotted(call.func) == "iter" and call.args:
+                        candidates.append(call.args[0].value)  # `it = iter(loader)` each epoch
+                for expr in candidates:
+                    value = trace.value(expr, step)
+                    sampler, loader = _shuffling_sampler(value)
+                    if sampler is None:
+                        continue
+                    if _looks_like_eval(loader, sampler, expr):
+                        continue
+                    yield trace, step, sampler, loader
+
+
+def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
+    while isinstance(expr, cst.Call) and expr.args and dotted(expr.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
+        expr = expr.args[0].value
+    return expr
+
+
+def _external_calls(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            if _hands_loader_away(ctx, call):
+                yield trace, step, call
+
+
+def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
+    """A call into code we cannot see (another module) that may iterate what it is given. Calls
+    to this module's functions are inlined in the trace; torch APIs and builtins do not iterate."""
+    func = call.func
+    qual = ctx.qualname(func)
+    if qual is not None:
+        return not qual.startswith(("torch", "horovod", "builtins", "os", "math", "time"))
+    if isinstance(func, cst.Name):
+        local = func.value in ctx.info.functions or func.value in ctx.info.classes
+        return not local and func.value not in dir(builtins)
+    return isinstance(func, cst.Attribute) and dotted(func.value) != "self"
+
+
+def _shuffling_sampler(value: Value | None) -> tuple[Value | None, Value | None]:
+    if value is None:
+        return None, None
+    loader = value if value.kind == flow.LOADER else None
+    sampler = value.inner if loader is not None else value
+    if sampler is None or sampler.kind != flow.SAMPLER or sampler.attrs.get("shuffle") is not True:
+        return None, None
+    return sampler, loader
+
+
+def _looks_like_eval(loader: Value | None, sampler: Value, expr: cst.BaseExpression) -> bool:
+    names = [sampler.name, loader.name if loader is not None else "", dotted(expr) or ""]
+    return any(word in part.lower().rsplit(".", 1)[-1] for part in names for word in EVAL_WORDS)
+
+
+def _step_of(trace: Trace, node: cst.CSTNode | None) -> Step | None:
+    return next((step for step in trace.steps if step.node is node), None) if node is not None else None
+
+
+def _insert_set_epoch(ctx: LintContext, trace: Trace, loop: cst.CSTNode, loop_step: Step, sampler: Value) -> Fix | None:
+    if not isinstance(loop, cst.For) or not isinstance(loop.target, cst.Name):
+        return None
+    name = sampler.name
+    if not name or not name.isidentifier():
+        return None
+    bound = flow.lookup(loop_step.env, name, loop_step.frame)
+    if bound is None or not sampler.same_object(bound):
+        return None
+    first = loop.body.body[0] if loop.body.body else None
+    if first is None or not isinstance(loop.body, cst.IndentedBlock):
+        return None
+    indent = ctx.indentation_of(first)
+    return Fix(
+        message=f"call {name}.set_epoch({loop.target.value}) at the start of each epoch",
+        edits=(ctx.insert_before(first, f"{indent}{name}.set_epoch({loop.target.value})\n"),),
+    )

@@ -1,0 +1,394 @@
+"""DD203 missing-distributed-sampler: every rank trains on the whole dataset."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, says_eval
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+LOADER = "torch.utils.data.DataLoader"
+DDP = "torch.nn.parallel.DistributedDataParallel"
+HVD_OPTIMIZER = "horovod.torch.DistributedOptimizer"
+# Frameworks that shard loaders themselves (accelerate's prepare, Lightning, Ray Train, ...).
+FRAMEWORKS = (
+    "accelerate", "lightning", "pytorch_lightning", "deepspeed", "colossalai", "composer", "ignite",
+    "ray", "fabric", "mmengine", "mmcv", "detectron2",
+)
+# Words in a dataset's construction that say it is iterable, streamed or sharded already.
+SHARDED_HINT = re.compile(
+    r"iterable|iterdatapipe|datapipe|webdataset|\bwds\b|wds\.|stream|shard|split_dataset_by_node|by_node|by_rank|partition",
+    re.IGNORECASE,
+)
+MAX_DEPTH = 4
+PATH_KEYWORDS = frozenset({"download", "cache_dir", "transform", "target_transform", "verbose", "log", "logger"})
+# Library datasets that are map-style whatever arguments they get.
+MAP_STYLE_LIBRARIES = ("torchvision.datasets.", "torchaudio.datasets.", "torchtext.datasets.")
+
+
+class MissingDistributedSampler(Rule):
+    """
+    ## What it does
+    Flags, in a script that trains with `DistributedDataParallel` or a Horovod
+    `DistributedOptimizer`, a `DataLoader` that is iterated by a training loop (one that calls
+    `backward()`) while it has no `sampler=` and no `batch_sampler=`. The finding points at the
+    `DataLoader(...)` call.
+
+    Silent when:
+    - the dataset is iterable: a class of the module derived from `IterableDataset` (or
+      `IterDataPipe`), or one that defines `__iter__` without `__getitem__`;
+    - the dataset is already sharded or streamed: its construction involves the rank or the
+      world size (`Subset(ds, range(rank, n, world_size))`, `MyDataset(..., rank=rank)`,
+      `random_split(...)[rank]`) or names a sharding/streaming API (`.shard(...)`,
+      `split_dataset_by_node`, `WebDataset`, `streaming=True`);
+    - the module defines an `IterableDataset` and the dataset's type is unknown;
+    - the loader's name says evaluation (`val`, `valid`, `eval`, `test`, `dev`): evaluating the
+      full set on every rank is wasteful but not wrong, and common on purpose;
+    - the loader takes `**kwargs` (a sampler may be in them), or a framework shards loaders
+      (accelerate, Lightning, DeepSpeed, Ray Train, ...);
+    - the loader is never seen feeding a loop that calls `backward()`.
+
+    A dataset of unknown type (built by a function of another module) without any of these signs
+    is treated as map-style: almost every dataset is, and the loop says the loader trains.
+
+    ## Why is this bad?
+    Without a `DistributedSampler`, each of the N processes iterates the entire dataset: an
+    "epoch" is N epochs of compute, every rank sees the same samples in the same or in different
+    orders, and gradient averaging gains nothing from the extra GPUs. Learning-rate schedules and
+    epoch counts that assume a sharded dataset are off by a factor of N.
+
+    ## Example
+    ```python
+    loader = DataLoader(train_set, batch_size=64, shuffle=True)
+    model = DDP(model, device_ids=[local_rank])
+    for epoch in range(epochs):
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+    ```
+
+    ## Use instead
+    ```python
+    sampler = DistributedSampler(train_set)
+    loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+    model = DDP(model, device_ids=[local_rank])
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+    ```
+
+    ## Fix safety
+    No fix is offered: adding a sampler also means dropping `shuffle=True` and calling
+    `set_epoch` every epoch, and a Horovod script needs `num_replicas=hvd.size(), rank=hvd.rank()`.
+    """
+
+    code = "DD203"
+    name = "missing-distributed-sampler"
+    severity = "warning"
+    summary = "DDP/Horovod training DataLoader without a DistributedSampler"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+            from torchvision import datasets
+
+            train_set = datasets.CIFAR10("data", train=True)
+            loader = DataLoader(train_set, batch_size=64, shuffle=True)  # expect: DD203
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            for epoch in range(10):
+                for x, y in loader:
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import horovod.torch as hvd
+            from torch.utils.data import TensorDataset
+
+            hvd.init()
+            dataset = TensorDataset(torch.randn(1000, 8), torch.randn(1000, 1))
+            train_loader = torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)  # expect: DD203
+            optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()))
+
+            def train(epoch):
+                for batch_idx, (data, target) in enumerate(train_loader):
+                    optimizer.zero_grad()
+                    torch.nn.functional.mse_loss(model(data), target).backward()
+                    optimizer.step()
+
+            for epoch in range(5):
+                train(epoch)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, Dataset
+
+            class Tokens(Dataset):
+                def __len__(self):
+                    return 1000
+
+                def __getitem__(self, i):
+                    return torch.zeros(128)
+
+            class Trainer:
+                def __init__(self, model):
+                    self.model = torch.nn.parallel.DistributedDataParallel(model)
+                    self.train_loader = DataLoader(Tokens(), batch_size=16)  # expect: DD203
+                    self.val_loader = DataLoader(Tokens(), batch_size=16)
+
+                def fit(self):
+                    for batch in self.train_loader:
+                        self.model(batch).mean().backward()
+
+                def validate(self):
+                    with torch.no_grad():
+                        for batch in self.val_loader:
+                            self.model(batch)
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(train_set)
+            loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+            val_loader = DataLoader(val_set, batch_size=64)
+            model = DDP(model)
+            for epoch in range(10):
+                sampler.set_epoch(epoch)
+                for x, y in loader:
+                    model(x).sum().backward()
+            for x, y in val_loader:
+                model(x)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+            class ShardedStream(IterableDataset):
+                def __init__(self, files, rank, world_size):
+                    self.files = files[rank::world_size]
+
+                def __iter__(self):
+                    for f in self.files:
+                        yield from read(f)
+
+            loader = DataLoader(ShardedStream(files, rank, world_size), batch_size=32)
+            model = DDP(model)
+            for batch in loader:
+                model(batch).mean().backward()
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, Subset
+
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            shard = Subset(full_set, list(range(rank, len(full_set), world_size)))
+            loader = DataLoader(shard, batch_size=32, shuffle=True)
+            model = DDP(model)
+            for x, y in loader:
+                model(x).sum().backward()
+            """
+        ),
+        Example(
+            """
+            from datasets import load_dataset
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+
+            stream = load_dataset("c4", "en", split="train", streaming=True)
+            loader = DataLoader(stream, batch_size=8)
+            model = DDP(model)
+            for batch in loader:
+                model(**batch).loss.backward()
+            """
+        ),
+        Example(
+            """
+            from accelerate import Accelerator
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+
+            accelerator = Accelerator()
+            loader = DataLoader(train_set, batch_size=8, shuffle=True)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for batch in loader:
+                accelerator.backward(model(batch).loss)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if ctx.imports.imports_any(FRAMEWORKS) or not _trains_distributed(ctx):
+            return
+        iterable_classes = _iterable_classes(ctx)
+        reported: set[int] = set()
+        for loop in loader_loops(ctx):
+            if not loop.trains:
+                continue
+            trace, step, iterated, loader = loop.trace, loop.step, loop.iterated, loop.loader
+            call = loader.node
+            if not isinstance(call, cst.Call) or id(call) in reported:
+                continue
+            if ctx.qualname(call.func) != LOADER or any(arg.star for arg in call.args):
+                continue
+            if _given(trace, step, flow.argument(call, 3, "sampler")) or _given(trace, step, flow.argument(call, 4, "batch_sampler")):
+                continue
+            if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
+                continue
+            dataset = flow.argument(call, 0, "dataset")
+            if dataset is None or _sharded_or_iterable(ctx, trace, step, dataset, iterable_classes, 0):
+                continue
+            reported.add(id(call))
+            horovod = ctx.uses_horovod and not any(True for _ in ctx.calls(DDP))
+            extra = ", num_replicas=hvd.size(), rank=hvd.rank()" if horovod else ""
+            yield Report(
+                call,
+                f"this training DataLoader has no sampler, so every rank iterates the whole dataset "
+                f"(N copies of each epoch). Pass sampler=DistributedSampler({ctx.code(dataset)}{extra}) "
+                "instead of shuffle=True, and call sampler.set_epoch(epoch) each epoch.",
+            )
+
+
+def _trains_distributed(ctx: LintContext) -> bool:
+    return any(True for _ in ctx.calls(DDP, HVD_OPTIMIZER))
+
+
+def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:
+    """Whether an argument is passed and is not (known to be) None."""
+    if expr is None or (isinstance(expr, cst.Name) and expr.value == "None"):
+        return False
+    value = trace.value(expr, step)
+    return not (value is not None and value.kind == flow.CONST and value.attrs.get("value") is None)
+
+
+def _iterable_classes(ctx: LintContext) -> set[str]:
+    """Classes of the module that are iterable-style datasets."""
+    found: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, cls in ctx.info.classes.items():
+            if name in found:
+                continue
+            methods = ctx.info.methods(cls)
+            iterable = "__iter__" in methods and "__getitem__" not in methods
+            for base in cls.bases:
+                qual = ctx.qualname(base.value) or ""
+                text = dotted(base.value) or ""
+                if qual.endswith(("IterableDataset", "IterDataPipe")) or text in found or SHARDED_HINT.search(text):
+                    iterable = True
+            if iterable:
+                found.add(name)
+                changed = True
+    return found
+
+
+def _sharded_or_iterable(
+    ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, iterable_classes: set[str], depth: int
+) -> bool:
+    """Whether the dataset expression (or what it was built from) is iterable, streamed, or
+    sharded by rank, as far as can be seen; unknown types count as iterable when the module
+    defines an iterable dataset."""
+    if depth > MAX_DEPTH:
+        return False
+    value = trace.value(expr, step)
+    if value is not None:
+        if value.kind in (flow.RANK, flow.LOCAL_RANK, flow.WORLD_SIZE, flow.LOCAL_SIZE, "scaled"):
+            return True
+        if value.kind == flow.INSTANCE:
+            cls = value.attrs.get("class", "")
+            if cls in iterable_classes:
+                return True
+            if isinstance(value.node, cst.Call):
+                return _mentions_sharding(ctx, trace, step, value.node, iterable_classes, depth)
+            return False
+        if value.kind == flow.UNKNOWN:
+            bound = bound_expression(value)
+            if bound is not None:
+                return _mentions_sharding(ctx, trace, step, bound, iterable_classes, depth)
+    if isinstance(expr, cst.Name) and value is None:
+        return bool(iterable_classes)  # a parameter of unknown origin
+    return _mentions_sharding(ctx, trace, step, expr, iterable_classes, depth)
+
+
+def _mentions_sharding(
+    ctx: LintContext, trace: Trace, step: Step, expr: cst.CSTNode, iterable_classes: set[str], depth: int
+) -> bool:
+    if isinstance(expr, cst.Call) and (ctx.qualname(expr.func) or "").startswith(MAP_STYLE_LIBRARIES):
+        # `datasets.MNIST("data-%d" % hvd.rank(), download=...)`: a per-rank download folder of
+        # the same data, not a shard.
+        return False
+    text = ctx.code(expr)
+    if SHARDED_HINT.search(text):
+        return True
+    for name in iterable_classes:
+        if re.search(rf"\b{re.escape(name)}\b", text):
+            return True
+    for sub in _names_and_calls(expr):
+        if sub is expr:
+            continue
+        if _sharded_or_iterable(ctx, trace, step, sub, iterable_classes, depth + 1):
+            return True
+    if isinstance(expr, cst.Call):
+        for arg in expr.args:
+            if arg.keyword is not None and arg.keyword.value in ("rank", "world_size", "num_replicas", "num_shards", "shard_id", "local_rank"):
+                return True
+    return False
+
+
+def _names_and_calls(expr: cst.CSTNode) -> list[cst.BaseExpression]:
+    """The outermost names, attributes and calls inside an expression (not inside lambdas)."""
+    found: list[cst.BaseExpression] = []
+
+    class Collector(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> bool:
+            found.append(node)
+            return False
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            found.append(node)
+            return True
+
+        def visit_Call(self, node: cst.Call) -> bool:
+            found.append(node)
+            return True
+
+        def visit_Lambda(self, node: cst.Lambda) -> bool:
+            return False
+
+        # `download=rank == 0`: the rank picks a flag there, not a shard.
+        def visit_Comparison(self, node: cst.Comparison) -> bool:
+            return False
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            return node.keyword is None or node.keyword.value not in PATH_KEYWORDS
+
+    expr.visit(Collector())
+    return found

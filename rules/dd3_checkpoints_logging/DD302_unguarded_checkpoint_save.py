@@ -1,0 +1,327 @@
+"""DD302 unguarded-checkpoint-save: every rank (or every node) writes the same checkpoint."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+SAVE = "torch.save"
+STATE_KINDS = (flow.DDP, flow.MODULE, flow.OPTIMIZER, flow.HVD_OPTIMIZER, flow.PARAMS, flow.SCALER)
+STATE_KEYS = frozenset(
+    {
+        "model", "state_dict", "model_state_dict", "model_state", "net", "network", "optimizer",
+        "optimizer_state_dict", "optim", "opt", "scaler", "lr_scheduler", "scheduler", "ema",
+        "model_ema", "generator", "discriminator", "encoder", "decoder",
+    }
+)
+STATE_NAME = re.compile(r"(^|_)(state|ckpt|checkpoint|snapshot|weights|model|net|optimizer)(_|$|s$)")
+
+
+def is_training_state(ctx: LintContext, trace: Trace, step: Step, obj: cst.BaseExpression) -> bool:
+    """Whether the object given to `torch.save` holds training state: a module, an optimizer, a
+    `state_dict()`, or a checkpoint dict of them (followed through names and helper arguments)."""
+    for part_step, part in ctx.parts_of(trace, step, obj):
+        if isinstance(part, cst.Call) and isinstance(part.func, cst.Attribute) and part.func.attr.value == "state_dict":
+            return True
+        value = trace.value(part, part_step)
+        if value is not None and value.kind in STATE_KINDS:
+            return True
+        if isinstance(part, cst.Dict):
+            keys = {
+                element.key.evaluated_value
+                for element in part.elements
+                if isinstance(element, cst.DictElement) and isinstance(element.key, cst.SimpleString)
+            }
+            if keys & STATE_KEYS:
+                return True
+    # Nothing known about it: judge by the name, `state` / `checkpoint` / `model` / `net`.
+    text = dotted(obj)
+    if text is not None and ctx.binding(trace, step, obj) is None:
+        return bool(STATE_NAME.search(text.rsplit(".", 1)[-1].lower()))
+    return False
+
+
+def per_rank_path(trace: Trace, step: Step, path: cst.BaseExpression | None) -> bool:
+    """`f"ckpt_rank{rank}.pt"`: each rank writes its own file on purpose."""
+    if path is None:
+        return False
+    for node in flow.walk(path):
+        if isinstance(node, cst.BaseExpression):
+            value = trace.value(node, step)
+            if value is not None and value.is_rank_like:
+                return True
+    return False
+
+
+class UnguardedCheckpointSave(Rule):
+    """
+    ## What it does
+    Flags `torch.save` of training state (a model, an optimizer, a `state_dict()`, or a
+    checkpoint dict holding them) on the code path of a distributed training script when no
+    rank-0 condition guards it, or when the only guard tests the *local* rank
+    (`if local_rank == 0:`, `if args.local_rank in [-1, 0]:`), which is true once per node.
+    The index an `mp.spawn` worker receives counts as the rank: spawn scripts mostly run on one
+    node, where it is.
+
+    Guards at the call site of a helper count (`if is_main_process(): save_checkpoint(...)`), as
+    does code after `if rank != 0: return`. Files named per rank (`f"ckpt_{rank}.pt"`), saves of
+    other data (features, predictions) and scripts that never start a process group stay
+    silent; so do functions that nothing in the file calls, whose callers cannot be seen.
+
+    ## Why is this bad?
+    Every rank holds the same weights after the all-reduce, so every rank writes the same bytes
+    to the same path at the same time: N times the I/O, and on a shared file system the writers
+    race and can leave a truncated or interleaved file that fails to load. A local-rank guard
+    still writes once per node.
+
+    ## Example
+    ```python
+    for epoch in range(epochs):
+        train_one_epoch(ddp_model, loader, optimizer)
+        torch.save(ddp_model.module.state_dict(), "checkpoint.pt")
+    ```
+
+    ## Use instead
+    ```python
+    for epoch in range(epochs):
+        train_one_epoch(ddp_model, loader, optimizer)
+        if dist.get_rank() == 0:
+            torch.save(ddp_model.module.state_dict(), "checkpoint.pt")
+    ```
+
+    ## Fix safety
+    No autofix: which rank variable to test is the script's choice, and a `dist.barrier()` may be
+    needed before other ranks read the file.
+    """
+
+    code = "DD302"
+    name = "unguarded-checkpoint-save"
+    severity = "warning"
+    summary = "torch.save of training state on every rank (or once per node)"
+
+    invalid = (
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def main():
+                local_rank = int(os.environ["LOCAL_RANK"])
+                dist.init_process_group("nccl")
+                model = DDP(Net().cuda(local_rank), device_ids=[local_rank])
+                for epoch in range(10):
+                    train(model)
+                    torch.save(model.module.state_dict(), f"epoch_{epoch}.pt")  # expect: DD302
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            args = parser.parse_args()
+            dist.init_process_group("nccl")
+
+            def save_checkpoint(state, path):
+                torch.save(state, path)  # expect: DD302
+
+            for epoch in range(args.epochs):
+                train_epoch()
+                if args.local_rank in [-1, 0]:
+                    save_checkpoint({"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, "last.pth")
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.multiprocessing as mp
+            from torch import distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Trainer:
+                def __init__(self, gpu, model, optimizer):
+                    self.gpu = gpu
+                    self.model = DistributedDataParallel(model.cuda(gpu), device_ids=[gpu])
+                    self.optimizer = optimizer
+
+                def save(self, epoch):
+                    snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+                    torch.save(snapshot, "snapshot.pt")  # expect: DD302
+
+                def fit(self, epochs):
+                    for epoch in range(epochs):
+                        self.run_epoch(epoch)
+                        self.save(epoch)
+
+            def worker(gpu, world_size):
+                dist.init_process_group("nccl", rank=gpu, world_size=world_size)
+                Trainer(gpu, build_model(), build_optimizer()).fit(50)
+
+            if __name__ == "__main__":
+                mp.spawn(worker, args=(4,), nprocs=4)
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main():
+                dist.init_process_group("nccl")
+                for epoch in range(10):
+                    train(model)
+                    if dist.get_rank() == 0:
+                        torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from utils import is_main_process
+
+            def save_checkpoint(model, optimizer, path):
+                if not is_main_process():
+                    return
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+            def main():
+                dist.init_process_group("nccl")
+                for epoch in range(10):
+                    save_checkpoint(model, optimizer, "ckpt.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            # no process group: a single-process script
+            model = Net()
+            for epoch in range(5):
+                train(model)
+                torch.save(model.state_dict(), "model.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+            features = extract(model, loader)
+            torch.save(features, f"features_rank{rank}.pt")
+            torch.save(model.state_dict(), f"shard_{rank}.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            def save_on_master(state, path):
+                torch.save(state, path)  # nothing here calls it: the callers are elsewhere
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel
+
+            class Runner:
+                def __init__(self, net, device_index):
+                    self.device_index = device_index  # the spawn index, kept on the instance
+                    self.net = DistributedDataParallel(net.cuda(device_index), device_ids=[device_index])
+
+                def run(self, epochs):
+                    for epoch in range(epochs):
+                        self.one_epoch()
+                        if self.device_index == 0:
+                            torch.save(self.net.module.state_dict(), "weights.pt")
+
+            def worker(index, nprocs):
+                dist.init_process_group("nccl", rank=index, world_size=nprocs)
+                Runner(Model(), index).run(20)
+
+            if __name__ == "__main__":
+                n = torch.cuda.device_count()
+                mp.spawn(worker, args=(n,), nprocs=n)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not _multi_process(ctx):
+            return
+        for trace, step, call in ctx.calls(SAVE):
+            if not ctx.is_entry(trace):
+                continue
+            obj = flow.argument(call, 0, "obj")
+            if obj is None or not is_training_state(ctx, trace, step, obj):
+                continue
+            if per_rank_path(trace, step, flow.argument(call, 1, "f")):
+                continue
+            guards = ctx.rank_guards(trace, step)
+            if any(not guard.zero for guard in guards):
+                continue  # runs on the other ranks only: someone meant it
+            zero_guards = [guard for guard in guards if guard.zero]
+            if zero_guards and not all(guard.local and not _tests_spawn_index(trace, step, guard.guard.test) for guard in zero_guards):
+                continue
+            if zero_guards:
+                line = ctx.position(zero_guards[-1].guard.test).start.line
+                message = (
+                    f"this checkpoint is guarded by a local-rank test (line {line}), which is true once per "
+                    f"node: on several nodes each writes the same file. Test the global rank instead "
+                    f"(`dist.get_rank() == 0`)."
+                )
+            else:
+                message = (
+                    "every rank saves the same checkpoint to the same path: wasted I/O and racing writers "
+                    "that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
+                )
+            yield Report(call, message)
+
+
+def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
+    """`if gpu == 0` / `if self.gpu_id == 0` / `if args.gpu == 0` in an `mp.spawn` worker: the
+    index is the rank of a one-node job, the usual case for spawn scripts, so the guard counts as
+    a rank-0 guard. The index may sit in a name or in an attribute it was stored in."""
+    for node in flow.walk(test):
+        if isinstance(node, (cst.Name, cst.Attribute)):
+            value = trace.value(node, step)
+            if value is not None and value.kind == flow.LOCAL_RANK and value.origin == "spawn":
+                return True
+    return False
+
+
+def _multi_process(ctx: LintContext) -> bool:
+    """A script that really runs several processes: it starts a process group or Horovod, or
+    wraps a model in DDP."""
+    if not ctx.is_distributed:
+        return False
+    if ctx.process_group_initialised:
+        return True
+    for qual in ("horovod.torch.init", "torch.nn.parallel.DistributedDataParallel"):
+        if next(iter(ctx.calls(qual)), None) is not None:
+            return True
+    return False

@@ -1,0 +1,311 @@
+"""DD303 ddp-state-dict-prefix: saving the DDP wrapper's state_dict (keys start with `module.`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.finding import Edit, Fix
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+SAVE = "torch.save"
+LOAD = "torch.load"
+# Helpers that restore training state from a checkpoint file, by a word of their name.
+RESTORE_WORDS = frozenset({"load", "reload", "restore", "resume", "restart"})
+
+
+class DDPStateDictPrefix(Rule):
+    """
+    ## What it does
+    Flags `ddp_model.state_dict()` whose result is saved with `torch.save`, directly, inside a
+    checkpoint dict, through a variable, or through a helper that saves what it is given, when
+    `ddp_model` is a `DistributedDataParallel` wrapper.
+
+    It stays silent on a self-consistent round trip: when the same file restores that same
+    wrapper from a checkpoint (`ddp_model.load_state_dict(torch.load(path)["model"])`, or the
+    wrapper itself handed to a restore helper such as `restart_from_checkpoint(path,
+    model=ddp_model)`), the `module.` keys are written and read by the same wrapper and resuming
+    works (the pytorch/examples ImageNet and MoCo scripts do this). A load into the plain module
+    (`ddp_model.module.load_state_dict(...)`) is no such round trip: it would fail on those keys.
+
+    ## Why is this bad?
+    The wrapper holds the model as its `module` attribute, so every key of its state dict starts
+    with `module.` (`module.fc.weight`). The checkpoint then fails to load into the plain model
+    (`Missing key(s) in state_dict: "fc.weight"`, for evaluation, export or a single-GPU run),
+    unless every loader strips the prefix by hand.
+
+    ## Example
+    ```python
+    model = DDP(model, device_ids=[local_rank])
+    ...
+    torch.save({"model": model.state_dict()}, "ckpt.pt")
+    ```
+
+    ## Use instead
+    ```python
+    torch.save({"model": model.module.state_dict()}, "ckpt.pt")
+    ```
+
+    ## Fix safety
+    Safe: `.module` is inserted before `.state_dict()`. The saved keys lose the `module.` prefix,
+    which is what a plain model (and `ddp_model.module.load_state_dict`) expects; a loader in the
+    same project that loads into the wrapper itself must change to `model.module.load_state_dict`
+    too.
+    """
+
+    code = "DD303"
+    name = "ddp-state-dict-prefix"
+    severity = "warning"
+    summary = "saved state_dict of the DDP wrapper: keys carry the `module.` prefix"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            train(model)
+            if rank == 0:
+                torch.save(model.state_dict(), "model.pt")  # expect: DD303
+            """,
+            fixed="""
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            train(model)
+            if rank == 0:
+                torch.save(model.module.state_dict(), "model.pt")  # expect: DD303
+            """,
+        ),
+        Example(
+            """
+            import torch
+            import torch.nn as nn
+
+            def save_checkpoint(state, filename="checkpoint.pth.tar"):
+                torch.save(state, filename)
+
+            def main_worker(gpu, args):
+                model = nn.parallel.DistributedDataParallel(build(args).cuda(gpu), device_ids=[gpu])
+                for epoch in range(args.epochs):
+                    train(model, epoch)
+                    if args.rank % 8 == 0:
+                        save_checkpoint({
+                            "epoch": epoch + 1,
+                            "state_dict": model.state_dict(),  # expect: DD303
+                            "optimizer": optimizer.state_dict(),
+                        })
+            """,
+            fixed="""
+            import torch
+            import torch.nn as nn
+
+            def save_checkpoint(state, filename="checkpoint.pth.tar"):
+                torch.save(state, filename)
+
+            def main_worker(gpu, args):
+                model = nn.parallel.DistributedDataParallel(build(args).cuda(gpu), device_ids=[gpu])
+                for epoch in range(args.epochs):
+                    train(model, epoch)
+                    if args.rank % 8 == 0:
+                        save_checkpoint({
+                            "epoch": epoch + 1,
+                            "state_dict": model.module.state_dict(),  # expect: DD303
+                            "optimizer": optimizer.state_dict(),
+                        })
+            """,
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn import parallel
+
+            class Trainer:
+                def __init__(self, net, gpu):
+                    self.net = parallel.DistributedDataParallel(net, device_ids=[gpu])
+
+                def checkpoint(self, path):
+                    ckpt = {"epoch": self.epoch}
+                    ckpt["net"] = self.net.state_dict()  # expect: DD303
+                    if dist.get_rank() == 0:
+                        torch.save(ckpt, path)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(Net().cuda(), device_ids=[local_rank])
+            if resume:
+                # the plain module reads the file: `module.` keys do not match here
+                model.module.load_state_dict(torch.load("net.pt", map_location="cpu"))
+            train(model)
+            if rank == 0:
+                torch.save(model.state_dict(), "net.pt")  # expect: DD303
+            """,
+            fixed="""
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(Net().cuda(), device_ids=[local_rank])
+            if resume:
+                # the plain module reads the file: `module.` keys do not match here
+                model.module.load_state_dict(torch.load("net.pt", map_location="cpu"))
+            train(model)
+            if rank == 0:
+                torch.save(model.module.state_dict(), "net.pt")  # expect: DD303
+            """,
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            model_without_ddp = model.module
+            torch.save({"model": model_without_ddp.state_dict()}, "ckpt.pt")
+            """
+        ),
+        Example(
+            """
+            import copy
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            best = copy.deepcopy(model.state_dict())  # kept in memory, loaded back into the wrapper
+            model.load_state_dict(best)
+            """
+        ),
+        Example(
+            """
+            import torch
+
+            class DDP(torch.nn.Module):  # a local class, not DistributedDataParallel
+                pass
+
+            model = DDP()
+            torch.save(model.state_dict(), "model.pt")
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def run(opts):
+                net = DDP(build(opts).cuda(opts.device), device_ids=[opts.device])
+                if opts.resume_from and os.path.exists(opts.resume_from):
+                    saved = torch.load(opts.resume_from, map_location="cpu")
+                    net.load_state_dict(saved["weights"])  # the wrapper reads its own keys back
+                for epoch in range(opts.epochs):
+                    fit_one(net, epoch)
+                    if dist.get_rank() == 0:
+                        torch.save({"weights": net.state_dict(), "epoch": epoch}, opts.resume_from)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.nn as nn
+            import helpers
+
+            def main(cfg):
+                head = nn.parallel.DistributedDataParallel(Head().cuda(), device_ids=[cfg.gpu])
+                state = {"epoch": 0}
+                helpers.restore_checkpoint("last.pth", run_state=state, head=head, opt=optimizer)
+                for epoch in range(state["epoch"], cfg.epochs):
+                    fit_one(head, epoch)
+                    if helpers.is_main_process():
+                        payload = {"head": head.state_dict(), "opt": optimizer.state_dict(), "epoch": epoch + 1}
+                        torch.save(payload, "last.pth")
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        restored: list[flow.Value] | None = None
+        for trace, step, call in ctx.calls(SAVE):
+            obj = flow.argument(call, 0, "obj")
+            if obj is None:
+                continue
+            for part_step, part in ctx.parts_of(trace, step, obj):
+                if not (
+                    isinstance(part, cst.Call)
+                    and isinstance(part.func, cst.Attribute)
+                    and part.func.attr.value == "state_dict"
+                ):
+                    continue
+                wrapper = trace.value(part.func.value, part_step)
+                if wrapper is None or wrapper.kind != flow.DDP:
+                    continue
+                if restored is None:
+                    restored = _wrappers_restored_from_checkpoints(ctx)
+                if any(wrapper.same_object(other) for other in restored):
+                    continue  # a self-consistent round trip: the keys match where they are loaded
+                name = ctx.code(part.func.value)
+                end = ctx.position(part.func.value).end
+                fix = Fix(
+                    message=f"save `{name}.module.state_dict()`",
+                    edits=(Edit(end.line, end.column + 1, end.line, end.column + 1, ".module"),),
+                )
+                yield Report(
+                    part,
+                    f"`{name}` is a DistributedDataParallel wrapper: its state_dict keys start with `module.` "
+                    f"and will not load into the plain model. Save `{name}.module.state_dict()` instead.",
+                    fix=fix,
+                )
+
+
+def _wrappers_restored_from_checkpoints(ctx: LintContext) -> list[flow.Value]:
+    """DDP wrappers this file restores from a checkpoint file: `ddp.load_state_dict(x)` where `x`
+    comes from `torch.load` (through names and subscripts), or the wrapper itself (not its
+    `.module`) handed to a restore helper (`restart_from_checkpoint(path, model=ddp)`,
+    `load_checkpoint(ddp, path)`), whose body may live in another module."""
+    found: list[flow.Value] = []
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict":
+                receiver = trace.value(func.value, step)
+                arg = flow.argument(call, 0, "state_dict")
+                if receiver is not None and receiver.kind == flow.DDP and arg is not None and _from_torch_load(ctx, trace, step, arg):
+                    found.append(receiver)
+                continue
+            words = (dotted(func) or "").rsplit(".", 1)[-1].lower().split("_")
+            if not RESTORE_WORDS.intersection(words):
+                continue
+            for arg in call.args:
+                value = trace.value(arg.value, step)
+                if value is not None and value.kind == flow.DDP:
+                    found.append(value)
+    return found
+
+
+def _from_torch_load(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
+    """Whether `expr` is (a part of) what `torch.load` returned: `torch.load(f)["model"]`,
+    `ckpt["state_dict"]` with `ckpt = torch.load(f)`, followed through names and arguments."""
+    while isinstance(expr, cst.Subscript):
+        expr = expr.value
+    if isinstance(expr, cst.Call):
+        return ctx.qualname(expr.func) == LOAD
+    if depth > 6 or not isinstance(expr, (cst.Name, cst.Attribute)):
+        return False
+    found = ctx.binding(trace, step, expr)
+    if found is None:
+        return False
+    source_step, source = found
+    return _from_torch_load(ctx, trace, source_step, source, depth + 1)

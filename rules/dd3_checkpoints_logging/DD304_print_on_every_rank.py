@@ -1,0 +1,398 @@
+"""DD304 print-on-every-rank: training progress printed by every process."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+LOG_METHODS = frozenset({"info", "warning", "warn", "debug", "error", "critical", "log", "exception"})
+# The script silences the other ranks itself: DeiT/DETR's `setup_for_distributed` replaces
+# `builtins.print`; loggers set up per rank (`setup_logger(distributed_rank=...)`).
+PRINT_OVERRIDE = re.compile(r"setup_for_distributed|builtins\.print\s*=|__builtin__\.print\s*=|\bdef print\(")
+# The torchvision-references helper that DeiT, DETR, DINO, MAE, ConvNeXt copy into their utils:
+# it starts the process group and calls `setup_for_distributed(rank == 0)`.
+SILENCING_INIT = "init_distributed_mode"
+# Calls that name the process: its RPC worker name, its host.
+PROCESS_NAMES = ("torch.distributed.rpc.get_worker_info", "socket.gethostname", "platform.node")
+
+
+class PrintOnEveryRank(Rule):
+    """
+    ## What it does
+    Flags `print(...)` and `logging` calls (`logging.info`, `logger.info` on a logger from
+    `logging.getLogger`) inside a training loop (a loop that runs `backward()`) of a distributed
+    script, when no rank condition guards them.
+
+    Silent when the message names the process (the rank, or an RPC worker name from
+    `rpc.get_worker_info()`, also when passed through a logging helper's parameter or a local
+    variable): per-process output is then deliberate, as in RPC parameter-server scripts where
+    ranks have different roles. Silent for `print` when the script replaces it for non-master
+    ranks: a `setup_for_distributed` / `builtins.print = ...` in the file, a call to an imported
+    `init_distributed_mode` (the torchvision-references helper copied by DeiT, DETR, DINO and MAE,
+    which calls `setup_for_distributed(rank == 0)`), or any `print(..., force=True)` (the builtin
+    has no `force` keyword: it only runs because `print` was replaced). For `logging`, silent
+    when the script sets the logging level or handlers under a rank condition.
+
+    ## Why is this bad?
+    Every process prints the same progress line: with 8 GPUs per node and 4 nodes, 32 copies of
+    every line, interleaved, which buries real warnings and slows the loop on slow terminals.
+    This is advice (info): the training itself is unaffected.
+
+    ## Example
+    ```python
+    for step, (x, y) in enumerate(loader):
+        ...
+        if step % 100 == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    ```
+
+    ## Use instead
+    ```python
+        if step % 100 == 0 and dist.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    ```
+
+    ## Fix safety
+    No autofix: the rank variable to test is the script's choice.
+    """
+
+    code = "DD304"
+    name = "print-on-every-rank"
+    severity = "info"
+    summary = "training progress printed by every rank"
+
+    invalid = (
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for epoch in range(epochs):
+                for step, (x, y) in enumerate(loader):
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    if step % 50 == 0:
+                        print(f"epoch {epoch} step {step} loss {loss.item():.4f}")  # expect: DD304
+            """
+        ),
+        Example(
+            """
+            import logging
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            logger = logging.getLogger(__name__)
+
+            def train_epoch(model, loader, optimizer, epoch):
+                for x, y in loader:
+                    loss = model(x, y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                logger.info("epoch %d finished, loss %.3f", epoch, loss.item())  # expect: DD304
+
+            def main(local_rank):
+                model = DDP(Net().cuda(local_rank), device_ids=[local_rank])
+                for epoch in range(10):
+                    train_epoch(model, loader, optimizer, epoch)
+
+            if __name__ == "__main__":
+                main(int(os.environ["LOCAL_RANK"]))
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+
+            hvd.init()
+            for batch_idx, (data, target) in enumerate(train_loader):
+                loss = F.nll_loss(model(data), target)
+                loss.backward()
+                optimizer.step()
+                if batch_idx % 10 == 0:
+                    print("Train Epoch: {} [{}/{}]\\tLoss: {:.6f}".format(  # expect: DD304
+                        epoch, batch_idx * len(data), len(train_sampler), loss.item()))
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def init_distributed_mode(args):  # defined here, and it leaves print alone
+                args.local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(args.local_rank)
+                dist.init_process_group("nccl")
+
+            def say(text):
+                print("[train]", text)  # expect: DD304
+
+            def main(args):
+                init_distributed_mode(args)
+                shard = data.cuda(args.local_rank)
+                for it in range(args.iters):
+                    loss = model(shard).mean()
+                    loss.backward()
+                    opt.step()
+                    say(f"iter {it} loss {loss.item():.3f}")
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+            for step, (x, y) in enumerate(loader):
+                loss = criterion(model(x), y)
+                loss.backward()
+                optimizer.step()
+                if step % 50 == 0 and rank == 0:
+                    print(f"step {step} loss {loss.item():.4f}")
+                if step % 1000 == 0:
+                    print(f"[rank {rank}] memory {torch.cuda.max_memory_allocated()}")
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            from util.misc import setup_for_distributed
+
+            dist.init_process_group("nccl")
+            setup_for_distributed(dist.get_rank() == 0)
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                loss.backward()
+                print("loss", loss.item())
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            print("starting")  # once per rank at start-up, not in the loop
+            for x in val_loader:
+                print(model(x).shape)  # no backward: not a training loop
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            import misc  # the project's copy of the torchvision-references helpers
+
+            def fit(args, net, loader, opt):
+                misc.init_distributed_mode(args)  # replaces print on every rank but 0
+                model = DDP(net.cuda(args.gpu), device_ids=[args.gpu])
+                for epoch in range(args.epochs):
+                    for images, labels in loader:
+                        loss = model(images, labels)
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
+                        print(f"epoch {epoch} loss {loss.item():.3f}")
+
+            if __name__ == "__main__":
+                fit(get_args(), Net(), make_loader(), make_opt())
+            """
+        ),
+        Example(
+            """
+            import math
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for step, batch in enumerate(loader):
+                loss = model(**batch).loss
+                if not math.isfinite(loss.item()):
+                    print(f"non-finite loss at step {step}", force=True)  # print was replaced elsewhere
+                    raise SystemExit(1)
+                loss.backward()
+                opt.step()
+                if step % 100 == 0:
+                    print(f"step {step}: {loss.item():.4f}")
+            """
+        ),
+        Example(
+            """
+            import time
+            import torch.distributed as dist
+            import torch.distributed.rpc as rpc
+            import torch.multiprocessing as mp
+
+            def stamp(msg):
+                print(time.strftime("%H:%M:%S"), msg)
+
+            def trainer_loop(steps):
+                me = rpc.get_worker_info().name
+                net = make_net()
+                for x, y in make_batches(steps):
+                    loss = net(x).sub(y).pow(2).mean()
+                    loss.backward()
+                    stamp(f"{me}: batch done")  # each worker names itself: different roles, not copies
+
+            def run(rank, world):
+                dist.init_process_group("gloo", rank=rank, world_size=world)
+                rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+                if rank == 0:
+                    futures = [rpc.rpc_async(f"worker{i}", trainer_loop, args=(100,)) for i in range(1, world)]
+                    for fut in futures:
+                        fut.wait()
+                rpc.shutdown()
+
+            if __name__ == "__main__":
+                mp.spawn(run, args=(3,), nprocs=3)
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.runs_multi_process or PRINT_OVERRIDE.search(ctx.source):
+            return
+        logging_rank_aware = _logging_rank_aware(ctx)
+        print_replaced = _print_replaced(ctx)
+        for trace in ctx.traces:
+            if not ctx.is_entry(trace):
+                continue
+            training_loops = _training_loops(ctx, trace)
+            if not training_loops:
+                continue
+            for step, call in trace.calls():
+                kind = _output_kind(ctx, trace, step, call)
+                if kind is None or (kind == "logging" and logging_rank_aware) or (kind == "print" and print_replaced):
+                    continue
+                if not any(id(loop) in training_loops for loop in step.loops):
+                    continue
+                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+                    continue
+                if any(_names_process(ctx, trace, step, arg.value) for arg in call.args):
+                    continue
+                yield Report(
+                    call,
+                    "training progress is printed by every rank (N copies of each line): guard it with "
+                    "`if dist.get_rank() == 0:` (or your is_main_process()).",
+                )
+
+
+def _training_loops(ctx: LintContext, trace: Trace) -> set[int]:
+    loops: set[int] = set()
+    for step, call in trace.calls():
+        if ctx.is_backward(call):
+            loops.update(id(loop) for loop in step.loops)
+    return loops
+
+
+def _output_kind(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> str | None:
+    func = call.func
+    if isinstance(func, cst.Name) and func.value == "print":
+        if ctx.qualname(func) is None and "print" not in ctx.info.functions:
+            return "print"
+        return None
+    if not (isinstance(func, cst.Attribute) and func.attr.value in LOG_METHODS):
+        return None
+    qual = ctx.qualname(func)
+    if qual is not None:
+        return "logging" if qual.startswith("logging.") else None
+    found = ctx.binding(trace, step, func.value)
+    if found is not None and isinstance(found[1], cst.Call) and ctx.qualname(found[1].func) == "logging.getLogger":
+        return "logging"
+    return None
+
+
+def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
+    for arg in call.args:
+        for node in flow.walk(arg.value):
+            if isinstance(node, (cst.Name, cst.Attribute, cst.Call)):
+                value = trace.value(node, step)
+                if value is not None and value.is_rank_like:
+                    return True
+                if isinstance(node, cst.Name) and "rank" in node.value.lower():
+                    return True
+    return False
+
+
+def _print_replaced(ctx: LintContext) -> bool:
+    """Whether `print` is replaced by a rank-aware one outside this file: an imported
+    `init_distributed_mode` is called, or a `print(..., force=True)` appears."""
+    for call in ctx.nodes(cst.Call):
+        func = call.func
+        if isinstance(func, cst.Name) and func.value == "print":
+            if any(arg.keyword is not None and arg.keyword.value == "force" for arg in call.args):
+                return True
+        elif (dotted(func) or "").rsplit(".", 1)[-1] == SILENCING_INIT and not (
+            isinstance(func, cst.Name) and func.value in ctx.info.functions
+        ):
+            return True  # imported: the helper replaces print; one defined here is read as it is
+    return False
+
+
+def _names_process(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0, text: bool = True) -> bool:
+    """Whether the printed `expr` names the process that prints it: the rank, or a name from
+    `rpc.get_worker_info()` / the host name. Names are followed to what they were bound to: a
+    helper's parameter to the argument at the call site (`log(f"{worker} done")`), a local to its
+    assignment (`worker = rpc.get_worker_info().name`). In a followed assignment that is not a
+    string, only a process-naming call counts (`batch.cuda(rank)` does not name the process)."""
+    attribute_names: set[int] = set()
+    params = set()
+    if step.frame.function is not None:
+        params = {p.name.value for p in step.frame.function.params.params}
+    for node in flow.walk(expr, skip=(cst.Lambda,)):
+        if isinstance(node, cst.Attribute):
+            attribute_names.add(id(node.attr))
+        if isinstance(node, cst.Call) and ctx.qualname(node.func) in PROCESS_NAMES:
+            return True
+        if depth > 0 and text and isinstance(node, (cst.Name, cst.Attribute)) and id(node) not in attribute_names:
+            value = trace.value(node, step)
+            if (value is not None and value.is_rank_like) or (isinstance(node, cst.Name) and "rank" in node.value.lower()):
+                return True
+        if isinstance(node, cst.Name) and id(node) not in attribute_names and depth < 4:
+            found = ctx.binding(trace, step, node)
+            if found is None:
+                continue
+            source_step, source = found
+            follow_text = text and (node.value in params or _is_text(source))
+            if _names_process(ctx, trace, source_step, source, depth + 1, follow_text):
+                return True
+    return False
+
+
+def _is_text(expr: cst.BaseExpression) -> bool:
+    """A string being built: an f-string, a literal, `"...".format(...)`, `"..." % x`, `+` of them."""
+    if isinstance(expr, (cst.FormattedString, cst.SimpleString, cst.ConcatenatedString)):
+        return True
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value == "format":
+        return _is_text(expr.func.value)
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Add, cst.Modulo)):
+        return _is_text(expr.left) or _is_text(expr.right)
+    return False
+
+
+def _logging_rank_aware(ctx: LintContext) -> bool:
+    """Whether the script configures logging per rank: `setLevel`/`basicConfig`/`disable` under a
+    rank condition or with a rank-dependent argument, or a logger set up with the rank."""
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            name = dotted(call.func) or ""
+            last = name.rsplit(".", 1)[-1]
+            if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger"):
+                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+                    return True
+                if any(arg.keyword is not None and "rank" in arg.keyword.value for arg in call.args):
+                    return True
+    return False

@@ -1,0 +1,258 @@
+"""DD306 metric-not-reduced: a validation metric over one rank's shard reported as the whole."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import libcst as cst
+
+from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis.context import LintContext, _assigned_names
+from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+
+LOG_METHODS = frozenset({"info", "warning", "log", "add_scalar", "add_scalars", "debug"})
+# Helpers that combine results across ranks (project utilities, torchmetrics' compute(),
+# accelerate's gather): when unknown, assume they reduce.
+REDUCING_NAME = re.compile(r"reduce|gather|sync|all_|compute|average|metric_average")
+
+
+class MetricNotReduced(Rule):
+    """
+    ## What it does
+    Flags a value computed in an evaluation loop (no `backward()`) over a `DataLoader` whose
+    sampler is a `DistributedSampler`, then printed or logged under a rank-0 condition, when no
+    collective (`all_reduce`, `all_gather`, `reduce`, `hvd.allreduce`, ...) and no helper whose
+    name says it reduces (`reduce_tensor`, `synchronize_between_processes`, `metric.compute()`,
+    `accelerator.gather`) runs between the loop and the report.
+
+    ## Why is this bad?
+    A `DistributedSampler` gives each rank 1/N of the validation set. A metric computed from one
+    rank's shard and reported by rank 0 describes that shard only: it is noisier, and it moves
+    when the number of GPUs changes. This is advice (info): the training itself is unaffected.
+
+    ## Example
+    ```python
+    for x, y in val_loader:               # DistributedSampler
+        correct += (model(x).argmax(1) == y).sum()
+    if rank == 0:
+        print("val acc", correct / len(val_loader.dataset))
+    ```
+
+    ## Use instead
+    ```python
+    for x, y in val_loader:
+        correct += (model(x).argmax(1) == y).sum()
+    dist.all_reduce(correct)
+    if rank == 0:
+        print("val acc", correct / len(val_loader.dataset))
+    ```
+
+    ## Fix safety
+    No autofix: the metric's tensors, their reduction op and the padding of the sampler
+    (see DD205) are the script's to choose.
+    """
+
+    code = "DD306"
+    name = "metric-not-reduced"
+    severity = "info"
+    summary = "validation metric of one rank's shard reported without all-reduce"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            val_loader = DataLoader(val_set, batch_size=256, sampler=DistributedSampler(val_set, shuffle=False))
+            correct = total = 0
+            with torch.no_grad():
+                for x, y in val_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += y.numel()
+            if dist.get_rank() == 0:
+                print(f"val acc {correct / total:.3f}")  # expect: DD306
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            @torch.no_grad()
+            def evaluate(model, loader):
+                losses = []
+                for x, y in loader:
+                    losses.append(criterion(model(x), y).item())
+                return sum(losses) / len(losses)
+
+            def main(args):
+                sampler = DistributedSampler(val_set, shuffle=False)
+                loader = DataLoader(val_set, batch_size=64, sampler=sampler)
+                val_loss = evaluate(model, loader)
+                if args.rank == 0:
+                    writer.add_scalar("val/loss", val_loss, epoch)  # expect: DD306
+            """
+        ),
+        Example(
+            """
+            import logging
+            import horovod.torch as hvd
+            import torch.utils.data.distributed
+
+            logger = logging.getLogger("train")
+            hvd.init()
+            test_sampler = torch.utils.data.distributed.DistributedSampler(test_set, num_replicas=hvd.size(), rank=hvd.rank())
+            test_loader = torch.utils.data.DataLoader(test_set, batch_size=1000, sampler=test_sampler)
+            test_accuracy = 0.0
+            for data, target in test_loader:
+                pred = model(data).argmax(dim=1)
+                test_accuracy += pred.eq(target).float().sum()
+            test_accuracy /= len(test_sampler)
+            if hvd.rank() == 0:
+                logger.info("Test accuracy: %.2f%%", 100.0 * test_accuracy)  # expect: DD306
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            val_loader = DataLoader(val_set, batch_size=256, sampler=DistributedSampler(val_set, shuffle=False))
+            stats = torch.zeros(2, device="cuda")
+            with torch.no_grad():
+                for x, y in val_loader:
+                    stats[0] += (model(x).argmax(1) == y).sum()
+                    stats[1] += y.numel()
+            dist.all_reduce(stats)
+            if dist.get_rank() == 0:
+                print(f"val acc {(stats[0] / stats[1]).item():.3f}")
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+            import torch.utils.data.distributed
+
+            def metric_average(val, name):
+                return hvd.allreduce(torch.tensor(val), name=name).item()
+
+            hvd.init()
+            test_sampler = torch.utils.data.distributed.DistributedSampler(test_set, num_replicas=hvd.size(), rank=hvd.rank())
+            test_loader = torch.utils.data.DataLoader(test_set, batch_size=1000, sampler=test_sampler)
+            test_loss = 0.0
+            for data, target in test_loader:
+                test_loss += F.nll_loss(model(data), target).item()
+            test_loss = metric_average(test_loss / len(test_sampler), "avg_loss")
+            if hvd.rank() == 0:
+                print("Test loss", test_loss)
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+
+            val_loader = DataLoader(val_set, batch_size=256)  # the whole set on each rank
+            correct = 0
+            for x, y in val_loader:
+                correct += (model(x).argmax(1) == y).sum().item()
+            if dist.get_rank() == 0:
+                print("val acc", correct / len(val_set))
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.is_distributed:
+            return
+        for trace in ctx.traces:
+            for loop_step in _eval_loops(ctx, trace):
+                yield from _unreduced_reports(ctx, trace, loop_step)
+
+
+def _eval_loops(ctx: LintContext, trace: Trace) -> Iterable[Step]:
+    for step in trace.steps:
+        if not isinstance(step.node, cst.For):
+            continue
+        source = _iterated(trace, step, step.node.iter)
+        if source is None or source.kind != flow.LOADER or source.inner is None or source.inner.kind != flow.SAMPLER:
+            continue
+        loop = step.node
+        trains = any(
+            ctx.is_backward(call)
+            for other in trace.steps
+            if other.in_loop(loop)
+            for call in flow.own_calls(other.node)
+        )
+        if not trains:
+            yield step
+
+
+def _iterated(trace: Trace, step: Step, iterable: cst.BaseExpression) -> flow.Value | None:
+    inner = iterable
+    while isinstance(inner, cst.Call) and inner.args and dotted(inner.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
+        inner = inner.args[0].value
+    return trace.value(inner, step)
+
+
+def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Iterable[Report]:
+    loop = loop_step.node
+    seeds: set[tuple[int, str]] = set()
+    for other in trace.steps[loop_step.index + 1 :]:
+        if not other.in_loop(loop):
+            break
+        seeds |= {(other.frame.id, name) for name in _assigned_names(other.node)}
+        for call in flow.own_calls(other.node):
+            # `losses.append(...)`, `meter.update(...)`: accumulators mutated in place.
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("append", "extend", "update", "add", "add_", "add_batch"):
+                base = call.func.value
+                while isinstance(base, (cst.Attribute, cst.Subscript)):
+                    base = base.value
+                if isinstance(base, cst.Name):
+                    seeds.add((other.frame.id, base.value))
+    if not seeds:
+        return
+    for later, uses in ctx.data_flow(trace, loop_step, seeds):
+        if later.in_loop(loop):
+            continue
+        for call in flow.own_calls(later.node):
+            if _reduces(ctx, call):
+                return
+        if not uses or not ctx.under_rank_zero(trace, later):
+            continue
+        for call in flow.own_calls(later.node):
+            if _is_report(ctx, call):
+                yield Report(
+                    call,
+                    "this metric was computed on this rank's DistributedSampler shard only (1/N of the validation "
+                    "set) and is reported without an all-reduce: `dist.all_reduce` the sums (or counts) first.",
+                )
+                return
+
+
+def _reduces(ctx: LintContext, call: cst.Call) -> bool:
+    if ctx.collective_name(call) is not None:
+        return True
+    name = dotted(call.func) or ""
+    return bool(REDUCING_NAME.search(name.rsplit(".", 1)[-1].lower()))
+
+
+def _is_report(ctx: LintContext, call: cst.Call) -> bool:
+    func = call.func
+    if isinstance(func, cst.Name):
+        return func.value == "print" and ctx.qualname(func) is None
+    if isinstance(func, cst.Attribute):
+        if func.attr.value in LOG_METHODS:
+            return True
+        return dotted(func) in ("wandb.log",)
+    return False
