@@ -20,7 +20,7 @@ from pathlib import Path
 import libcst as cst
 
 from distdoctor import __version__
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import syntax
 from distdoctor.lint.config import Config
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Finding
@@ -88,7 +88,7 @@ def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
     try:
         return _lint_module(path, source, module, rules)
     finally:
-        flow.forget_calls()
+        syntax.forget_calls()
 
 
 def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rule]) -> FileResult:

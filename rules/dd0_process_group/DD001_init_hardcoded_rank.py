@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.rule import Example, Report, Rule
 
 INIT = "torch.distributed.init_process_group"
@@ -181,13 +182,13 @@ class InitHardcodedRank(Rule):
         for trace, step, call in ctx.calls(INIT):
             if id(call) in reported:
                 continue
-            rank_expr = flow.argument(call, 4, "rank")
-            world_expr = flow.argument(call, 3, "world_size")
+            rank_expr = syntax.argument(call, 4, "rank")
+            world_expr = syntax.argument(call, 3, "world_size")
             world = trace.value(world_expr, step) if world_expr is not None else None
             if rank_expr is not None and _literal_rank(trace, step, rank_expr) and not _is_one(world):
                 reported.add(id(call))
                 yield Report(
-                    flow.arg_node(call, rank_expr),
+                    syntax.arg_node(call, rank_expr),
                     f"init_process_group() gets the fixed rank `{ctx.code(rank_expr)}`: every process "
                     "claims the same rank and rendezvous hangs. Pass each process's own rank "
                     '(int(os.environ["RANK"]), or the mp.spawn index), or leave rank and world_size '
@@ -203,7 +204,7 @@ class InitHardcodedRank(Rule):
                 continue
             reported.add(id(call))
             yield Report(
-                flow.arg_node(call, world_expr),
+                syntax.arg_node(call, world_expr),
                 "world_size is the number of GPUs on this machine, but the launcher (torchrun, "
                 "env://) starts processes on every node and sets WORLD_SIZE: on more than one node "
                 "rendezvous never completes. Use int(os.environ[\"WORLD_SIZE\"]), or leave "
@@ -212,16 +213,16 @@ class InitHardcodedRank(Rule):
 
 
 def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
-    known, value = flow._const_value(expr)
+    known, value = syntax.const_value(expr)
     if not known and isinstance(expr, (cst.Name, cst.Attribute)):
         bound = trace.value(expr, step)
-        if bound is not None and bound.kind == flow.CONST and isinstance(bound.node, cst.Integer):
+        if bound is not None and bound.kind == kinds.CONST and isinstance(bound.node, cst.Integer):
             known, value = True, bound.attrs.get("value")
     return known and isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_one(value: Value | None) -> bool:
-    return value is not None and value.kind == flow.CONST and value.attrs.get("value") == 1
+    return value is not None and value.kind == kinds.CONST and value.attrs.get("value") == 1
 
 
 def _is_device_count(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
@@ -233,7 +234,7 @@ def _is_device_count(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseE
         return False
     if depth < 4 and isinstance(expr, (cst.Name, cst.Attribute)):
         value = trace.value(expr, step)
-        if value is not None and value.kind == flow.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)):
+        if value is not None and value.kind == kinds.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)):
             bound = value.node.value
             if bound is not None:
                 return _is_device_count(ctx, trace, step, bound, depth + 1)
@@ -244,8 +245,8 @@ def _launcher_evidence(ctx: LintContext, call: cst.Call) -> bool:
     """Signs that an external launcher (torchrun, torch.distributed.launch) started the script:
     it reads the variables the launcher sets, takes its `--local_rank` flag, or initialises
     with `env://` (explicitly, or by default)."""
-    init_method = flow.argument(call, 1, "init_method")
-    if init_method is None and flow.keyword(call, "store") is None:
+    init_method = syntax.argument(call, 1, "init_method")
+    if init_method is None and syntax.keyword(call, "store") is None:
         return True
     if isinstance(init_method, cst.SimpleString) and init_method.evaluated_value == "env://":
         return True

@@ -6,10 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import device_indices
-from distdoctor.lint.analysis.flow import Value
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.rule import Example, Report, Rule
 
 # Where a rank comes from, when the flow *knows* it is the global rank. A name that merely reads
@@ -228,7 +228,7 @@ class RankAsDevice(Rule):
 
 
 def _is_global_rank(value: Value | None) -> bool:
-    if value is None or value.kind != flow.RANK:
+    if value is None or value.kind != kinds.RANK:
         return False
     if value.origin in GLOBAL_ORIGINS:
         return True

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import libcst as cst
 
+from distdoctor.lint.analysis import frameworks
+
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import (
     INIT_PROCESS_GROUP,
@@ -19,7 +21,6 @@ from distdoctor.lint.rule import Example, Report, Rule
 HVD_INIT = "horovod.torch.init"
 # Launch helpers of other modules (`utils.init_distributed_mode(args)`) usually pick the device.
 SETUP_HELPER = re.compile(r"(init|setup|set_?up).*(dist|device|gpu|ddp|cuda|process|env)|set_device", re.IGNORECASE)
-FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "colossalai", "composer", "ignite", "fabric")
 # The device may be pinned from outside: one visible GPU per task.
 OUTSIDE_PINNING = ("CUDA_VISIBLE_DEVICES", "SLURM")
 
@@ -186,7 +187,7 @@ class MissingSetDevice(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed or ctx.imports.imports_any(FRAMEWORKS):
+        if not ctx.is_distributed or ctx.imports.imports_any(frameworks.SELECTS_DEVICE):
             return
         if not _initialises_here(ctx) or _external_setup(ctx) or any(word in ctx.source for word in OUTSIDE_PINNING):
             return

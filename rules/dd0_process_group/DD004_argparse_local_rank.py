@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import frameworks, kinds
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import device_indices
 from distdoctor.lint.rule import Example, Report, Rule
@@ -14,7 +14,6 @@ from distdoctor.lint.rule import Example, Report, Rule
 FLAGS = ("--local_rank", "--local-rank")
 ENV_NAME = "LOCAL_RANK"
 # Launchers that still pass `--local_rank` to the script.
-FLAG_PASSING_LAUNCHERS = ("deepspeed",)
 
 
 class ArgparseLocalRank(Rule):
@@ -182,7 +181,7 @@ class ArgparseLocalRank(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if ctx.imports.imports_any(FLAG_PASSING_LAUNCHERS):
+        if ctx.imports.imports_any(frameworks.PASSES_LOCAL_RANK_FLAG):
             return
         flags = _local_rank_flags(ctx)
         if not flags or _reads_local_rank_env(ctx):
@@ -229,12 +228,12 @@ def _reads_local_rank_env(ctx: LintContext) -> bool:
     return any(ENV_NAME in node.value for node in ctx.nodes(cst.FormattedStringText))
 
 
-def _from_flag(value: flow.Value | None) -> bool:
+def _from_flag(value: kinds.Value | None) -> bool:
     """A value read from the parsed `--local_rank` argument (`args.local_rank`, or a name or
     attribute it was copied to)."""
     return (
         value is not None
-        and value.kind == flow.LOCAL_RANK
+        and value.kind == kinds.LOCAL_RANK
         and value.origin == "attr"
         and value.name.rsplit(".", 1)[-1] == "local_rank"
         and not value.name.startswith("self.")

@@ -6,10 +6,11 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, wrapper_holding
 from distdoctor.lint.finding import Fix
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.rule import Example, Report, Rule
 
 CONVERT = "torch.nn.SyncBatchNorm.convert_sync_batchnorm"
@@ -212,7 +213,7 @@ def _line_to_change(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, 
     """Where the conversion must move: the conversion itself, or, when it sits in a helper
     (`def to_sync_bn(m): return convert_sync_batchnorm(m)`) that was entered after the wrap,
     the call to that helper (the helper is right when called before the wrap)."""
-    wrap_step = next((s for s in trace.steps if any(c is wrapper.node for c in flow.own_calls(s.node))), None)
+    wrap_step = next((s for s in trace.steps if any(c is wrapper.node for c in syntax.own_calls(s.node))), None)
     if wrap_step is None:
         return call
     node: cst.CSTNode = call
@@ -236,7 +237,7 @@ def _wrapper_of(trace: Trace, step: Step, target: cst.BaseExpression) -> Value |
     """The DDP wrapper that already holds the module being converted: the wrapper itself, its
     `.module`, or the name that was passed to `DDP(...)`."""
     value = trace.value(target, step)
-    if value is not None and value.kind == flow.DDP:
+    if value is not None and value.kind == kinds.DDP:
         return value
     return wrapper_holding(trace, step, target)
 
@@ -285,4 +286,4 @@ def _move_above_wrap(ctx: LintContext, trace: Trace, step: Step, call: cst.Call,
 
 
 def _names_in(node: cst.CSTNode) -> list[cst.Name]:
-    return [sub for sub in flow.walk(node) if isinstance(sub, cst.Name)]
+    return [sub for sub in syntax.walk(node) if isinstance(sub, cst.Name)]

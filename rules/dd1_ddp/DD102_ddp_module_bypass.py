@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -164,36 +165,36 @@ def _bypassed_wrapper(trace: Trace, step: Step, call: cst.Call) -> Value | None:
     func = call.func
     if isinstance(func, cst.Attribute) and func.attr.value == "module":
         outer = trace.value(func.value, step)
-        if outer is not None and outer.kind == flow.DDP:
+        if outer is not None and outer.kind == kinds.DDP:
             return outer
         return None
     if not isinstance(func, (cst.Name, cst.Attribute)) or dotted(func) is None:
         return None
     value = trace.value(func, step)
-    if value is None or value.kind in (flow.DDP, flow.CONST, flow.TUPLE) or value.node is None:
+    if value is None or value.kind in (kinds.DDP, kinds.CONST, kinds.TUPLE) or value.node is None:
         return None
     for other in step.env.values():
-        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
+        if other.kind == kinds.DDP and other.inner is not None and other.inner.same_object(value):
             return other
     return None
 
 
 def _reaches_backward(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
-    if any(ctx.is_backward(other) for other in flow.own_calls(step.node)):
+    if any(ctx.is_backward(other) for other in syntax.own_calls(step.node)):
         return True
     seeds = {(step.frame.id, name) for name in _assigned_names(step.node)}
     if isinstance(step.node, cst.Return) and step.frame.call is not None:
         # `return net(x)` in a helper: follow the call site instead.
-        caller = next((s for s in trace.steps[step.index :] if any(c is step.frame.call for c in flow.own_calls(s.node))), None)
+        caller = next((s for s in trace.steps[step.index :] if any(c is step.frame.call for c in syntax.own_calls(s.node))), None)
         if caller is None:
             return False
-        if any(ctx.is_backward(other) for other in flow.own_calls(caller.node)):
+        if any(ctx.is_backward(other) for other in syntax.own_calls(caller.node)):
             return True
         seeds = {(caller.frame.id, name) for name in _assigned_names(caller.node)}
         step = caller
     if not seeds:
         return False
     for later, uses in ctx.data_flow(trace, step, seeds):
-        if uses and any(ctx.is_backward(other) for other in flow.own_calls(later.node)):
+        if uses and any(ctx.is_backward(other) for other in syntax.own_calls(later.node)):
             return True
     return False

@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 # Any of these attributes in the code means the script controls gradient sync itself.
@@ -220,7 +220,7 @@ class AccumulationWithoutNoSync(Rule):
                 if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:
                     continue
                 for backward_step, backward in _accumulated_backwards(ctx, trace, step):
-                    if not any(value.kind == flow.DDP for value in backward_step.env.values()):
+                    if not any(value.kind == kinds.DDP for value in backward_step.env.values()):
                         continue
                     yield Report(
                         backward,
@@ -247,7 +247,7 @@ def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Cal
         return True
     if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"):
         return False
-    text = (flow.dotted(call.func.value) or "").lower()
+    text = (names.dotted(call.func.value) or "").lower()
     return "optim" in text and "sched" not in text
 
 
@@ -259,7 +259,7 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
     for other in trace.steps:
         if not other.in_loop(loop):
             continue
-        for call in flow.own_calls(other.node):
+        for call in syntax.own_calls(other.node):
             if not ctx.is_backward(call):
                 continue
             deeper = other.loops[other.loops.index(loop) + 1 :]
@@ -279,13 +279,13 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
         _is_optimizer_step(ctx, trace, other, call)
         for other in trace.steps
         if other.in_loop(loop)
-        for call in flow.own_calls(other.node)
+        for call in syntax.own_calls(other.node)
     )
 
 
 def _is_periodic(test: cst.BaseExpression) -> bool:
     """`(i + 1) % accum == 0`, `not step % k`, `... or last_batch`: a test true every k iterations."""
-    for node in flow.walk(test):
+    for node in syntax.walk(test):
         if (
             isinstance(node, cst.BinaryOperation)
             and isinstance(node.operator, cst.Modulo)

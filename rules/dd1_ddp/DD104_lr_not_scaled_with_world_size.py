@@ -6,12 +6,13 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import frameworks, kinds, syntax
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
-DDP = "torch.nn.parallel.DistributedDataParallel"
+DDP = frameworks.DDP
 LOADER = "torch.utils.data.DataLoader"
 GPU_COUNT = "torch.cuda.device_count"
 
@@ -191,7 +192,7 @@ class LrNotScaledWithWorldSize(Rule):
         if ctx.uses_horovod or next(iter(ctx.calls(DDP)), None) is None:
             return
         for trace, step, call in ctx.calls(LOADER):
-            batch = flow.argument(call, 1, "batch_size")
+            batch = syntax.argument(call, 1, "batch_size")
             if batch is not None and _scaled(ctx, trace, step, batch):
                 return
         if _lr_rescaled_later(ctx):
@@ -199,9 +200,9 @@ class LrNotScaledWithWorldSize(Rule):
         for trace in ctx.traces:
             for step, call in trace.calls():
                 value = trace.value(call, step)
-                if value is None or value.kind != flow.OPTIMIZER:
+                if value is None or value.kind != kinds.OPTIMIZER:
                     continue
-                lr = flow.argument(call, 1, "lr")
+                lr = syntax.argument(call, 1, "lr")
                 if lr is None or _scaled(ctx, trace, step, lr):
                     continue
                 yield Report(
@@ -215,7 +216,7 @@ class LrNotScaledWithWorldSize(Rule):
 WORKER_COUNT_WORDS = ("world", "gpus", "gpu_count", "n_gpu", "nproc", "replicas", "num_workers_total", "nodes")
 
 
-def _scaled(ctx: LintContext, trace: flow.Trace, step: flow.Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
+def _scaled(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
     """Scaled by the world size, or by a name that counts the workers (`world_size` passed to an
     `mp.spawn` worker, `ngpus_per_node`), directly or through what the names in `expr` were
     assigned (`args.batch_size = int(args.batch_size / ngpus_per_node)` before the loader,
@@ -223,7 +224,7 @@ def _scaled(ctx: LintContext, trace: flow.Trace, step: flow.Step, expr: cst.Base
     lr_schedule[it]`, also through a helper's parameter)."""
     if ctx.scales_with_world_size(trace, step, expr):
         return True
-    for node in flow.walk(expr):
+    for node in syntax.walk(expr):
         if isinstance(node, cst.Name) and any(word in node.value.lower() for word in WORKER_COUNT_WORDS):
             return True
         if isinstance(node, cst.Call) and ctx.qualname(node.func) == GPU_COUNT:

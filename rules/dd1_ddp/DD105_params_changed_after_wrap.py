@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds
 from distdoctor.lint.analysis.context import LintContext, wrapper_holding
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -172,7 +173,7 @@ def _holds_parameters(ctx: LintContext, trace: Trace, step: Step, value: cst.Bas
     """A call or a module: something that may carry parameters. Literals, names of plain data and
     torch functions that build bare tensors do not."""
     evaluated = trace.value(value, step)
-    if evaluated is not None and evaluated.kind in (flow.MODULE, flow.DDP, flow.INSTANCE):
+    if evaluated is not None and evaluated.kind in (kinds.MODULE, kinds.DDP, kinds.INSTANCE):
         return True
     inner = value
     while isinstance(inner, cst.Call) and isinstance(inner.func, cst.Attribute) and inner.func.attr.value in ("to", "cuda", "cpu", "half", "float", "requires_grad_"):

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 from distdoctor.lint.analysis.context import wrapper_holding
@@ -142,7 +143,7 @@ class Rank0LoadAfterWrap(Rule):
             wrapper = wrapper_holding(trace, step, call.func.value)
             if wrapper is None:
                 receiver = trace.value(call.func.value, step)
-                wrapper = receiver if receiver is not None and receiver.kind == flow.DDP else None
+                wrapper = receiver if receiver is not None and receiver.kind == kinds.DDP else None
             if wrapper is None or not ctx.under_rank_zero(trace, step):
                 continue
             if _broadcast_follows(ctx, trace, step):
@@ -156,9 +157,9 @@ class Rank0LoadAfterWrap(Rule):
             )
 
 
-def _broadcast_follows(ctx: LintContext, trace: flow.Trace, step: flow.Step) -> bool:
+def _broadcast_follows(ctx: LintContext, trace: Trace, step: Step) -> bool:
     for later in trace.steps[step.index + 1 :]:
-        for call in flow.own_calls(later.node):
+        for call in syntax.own_calls(later.node):
             name = ctx.collective_name(call)
             if name is not None and "broadcast" in name and not ctx.rank_guards(trace, later):
                 return True

@@ -6,13 +6,13 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 COMPILE = "torch.compile"
-DDP = "torch.nn.parallel.DistributedDataParallel"
+DDP = frameworks.DDP
 PASSTHROUGH = frozenset({"to", "cuda", "train", "float", "half", "bfloat16"})
 
 
@@ -145,7 +145,7 @@ class CompileBeforeDDP(Rule):
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         for trace, step, call in ctx.calls(DDP):
-            wrapped = flow.argument(call, 0, "module")
+            wrapped = syntax.argument(call, 0, "module")
             if wrapped is None:
                 continue
             compiled = _compile_call(ctx, trace, step, wrapped, 0)

@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm")
@@ -201,7 +201,7 @@ def _events(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> list[tuple[Ste
     for step in trace.steps:
         if not step.in_loop(loop):
             continue
-        for call in flow.own_calls(step.node):
+        for call in syntax.own_calls(step.node):
             kind = None
             if ctx.is_backward(call):
                 receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
@@ -229,15 +229,15 @@ def _events(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> list[tuple[Ste
 
 def _is_scaler(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
     value = trace.value(expr, step)
-    if value is not None and value.kind == flow.SCALER:
+    if value is not None and value.kind == kinds.SCALER:
         return True
-    text = (flow.dotted(expr) or "").lower()
+    text = (names.dotted(expr) or "").lower()
     return "scaler" in text
 
 
 def _is_optimizer(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
     value = trace.value(expr, step)
-    if value is not None and value.kind in (flow.OPTIMIZER, flow.HVD_OPTIMIZER):
+    if value is not None and value.kind in (kinds.OPTIMIZER, kinds.HVD_OPTIMIZER):
         return True
-    text = (flow.dotted(expr) or "").lower()
+    text = (names.dotted(expr) or "").lower()
     return "optim" in text and "sched" not in text

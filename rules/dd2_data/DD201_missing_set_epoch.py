@@ -7,14 +7,14 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Fix
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
-FRAMEWORKS = ("pytorch_lightning", "lightning", "accelerate", "composer", "ignite")
 EVAL_WORDS = ("val", "test", "eval", "valid")
 
 
@@ -235,7 +235,7 @@ class MissingSetEpoch(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if ctx.imports.imports_any(FRAMEWORKS):
+        if ctx.imports.imports_any(frameworks.CALLS_SET_EPOCH):
             return
         if self._unresolved_set_epoch(ctx):
             return  # some set_epoch reaches a sampler we cannot identify: stay silent
@@ -262,7 +262,7 @@ class MissingSetEpoch(Rule):
     def _unresolved_set_epoch(self, ctx: LintContext) -> bool:
         for trace, step, call in ctx.method_calls("set_epoch"):
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
-            if receiver is None or receiver.kind not in (flow.SAMPLER, flow.LOADER):
+            if receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER):
                 return True
         return False
 
@@ -274,11 +274,11 @@ class MissingSetEpoch(Rule):
         for trace, step, call in _external_calls(ctx):
             for arg in call.args:
                 value = trace.value(arg.value, step)
-                if value is not None and value.kind == flow.SAMPLER:
+                if value is not None and value.kind == kinds.SAMPLER:
                     found.append(value)
         for trace, step, call in ctx.method_calls("set_epoch"):
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
-            if receiver is not None and receiver.kind == flow.LOADER and receiver.inner is not None:
+            if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
                 receiver = receiver.inner
             if receiver is not None:
                 found.append(receiver)
@@ -294,7 +294,7 @@ class MissingSetEpoch(Rule):
                 candidates: list[cst.BaseExpression] = []
                 if isinstance(step.node, cst.For):
                     candidates.append(_unwrap_iter(step.node.iter))
-                for call in flow.own_calls(step.node):
+                for call in syntax.own_calls(step.node):
                     if _hands_loader_away(ctx, call):
                         candidates.extend(arg.value for arg in call.args)
                     elif dotted(call.func) == "iter" and call.args:
@@ -338,9 +338,9 @@ def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
 def _shuffling_sampler(value: Value | None) -> tuple[Value | None, Value | None]:
     if value is None:
         return None, None
-    loader = value if value.kind == flow.LOADER else None
+    loader = value if value.kind == kinds.LOADER else None
     sampler = value.inner if loader is not None else value
-    if sampler is None or sampler.kind != flow.SAMPLER or sampler.attrs.get("shuffle") is not True:
+    if sampler is None or sampler.kind != kinds.SAMPLER or sampler.attrs.get("shuffle") is not True:
         return None, None
     return sampler, loader
 
@@ -360,7 +360,7 @@ def _insert_set_epoch(ctx: LintContext, trace: Trace, loop: cst.CSTNode, loop_st
     name = sampler.name
     if not name or not name.isidentifier():
         return None
-    bound = flow.lookup(loop_step.env, name, loop_step.frame)
+    bound = evaluate.lookup(loop_step.env, name, loop_step.frame)
     if bound is None or not sampler.same_object(bound):
         return None
     first = loop.body.body[0] if loop.body.body else None

@@ -6,10 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 LOADER = "torch.utils.data.DataLoader"
@@ -172,18 +172,18 @@ class ShuffleWithSampler(Rule):
         for trace, step, call in ctx.calls(LOADER):
             if id(call) in reported or any(arg.star for arg in call.args):
                 continue
-            shuffle = flow.argument(call, 2, "shuffle")
+            shuffle = syntax.argument(call, 2, "shuffle")
             if shuffle is None or not _is_true(trace, step, shuffle):
                 continue
             which = "sampler"
-            sampler = flow.argument(call, 3, "sampler")
+            sampler = syntax.argument(call, 3, "sampler")
             if sampler is None or _is_none(trace, step, sampler):
-                which, sampler = "batch_sampler", flow.argument(call, 4, "batch_sampler")
+                which, sampler = "batch_sampler", syntax.argument(call, 4, "batch_sampler")
                 if sampler is None or _is_none(trace, step, sampler):
                     continue
             reported.add(id(call))
             yield Report(
-                flow.arg_node(call, shuffle),
+                syntax.arg_node(call, shuffle),
                 f"DataLoader gets shuffle=True and a {which}: it raises ValueError (mutually exclusive) "
                 f"before the first batch. The {which} does the shuffling: pass "
                 f"shuffle=({ctx.code(sampler)} is None) or shuffle=False."
@@ -198,14 +198,14 @@ def _is_true(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
     if isinstance(expr, cst.Name) and expr.value == "True":
         return True
     value = trace.value(expr, step)
-    return value is not None and value.kind == flow.CONST and value.attrs.get("value") is True
+    return value is not None and value.kind == kinds.CONST and value.attrs.get("value") is True
 
 
 def _is_none(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
     if isinstance(expr, cst.Name) and expr.value == "None":
         return True
     value = trace.value(expr, step)
-    return value is not None and value.kind == flow.CONST and value.attrs.get("value") is None
+    return value is not None and value.kind == kinds.CONST and value.attrs.get("value") is None
 
 
 def _fix(ctx: LintContext, shuffle: cst.BaseExpression, sampler: cst.BaseExpression) -> Fix | None:

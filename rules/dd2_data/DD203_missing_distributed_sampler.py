@@ -7,21 +7,16 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, says_eval
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
-LOADER = "torch.utils.data.DataLoader"
-DDP = "torch.nn.parallel.DistributedDataParallel"
-HVD_OPTIMIZER = "horovod.torch.DistributedOptimizer"
-# Frameworks that shard loaders themselves (accelerate's prepare, Lightning, Ray Train, ...).
-FRAMEWORKS = (
-    "accelerate", "lightning", "pytorch_lightning", "deepspeed", "colossalai", "composer", "ignite",
-    "ray", "fabric", "mmengine", "mmcv", "detectron2",
-)
+LOADER = frameworks.DATALOADER
+DDP = frameworks.DDP
+HVD_OPTIMIZER = frameworks.HVD_OPTIMIZER
 # Words in a dataset's construction that say it is iterable, streamed or sharded already.
 SHARDED_HINT = re.compile(
     r"iterable|iterdatapipe|datapipe|webdataset|\bwds\b|wds\.|stream|shard|split_dataset_by_node|by_node|by_rank|partition",
@@ -245,7 +240,7 @@ class MissingDistributedSampler(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if ctx.imports.imports_any(FRAMEWORKS) or not _trains_distributed(ctx):
+        if ctx.imports.imports_any(frameworks.SHARDS_LOADERS) or not _trains_distributed(ctx):
             return
         iterable_classes = _iterable_classes(ctx)
         reported: set[int] = set()
@@ -258,11 +253,11 @@ class MissingDistributedSampler(Rule):
                 continue
             if ctx.qualname(call.func) != LOADER or any(arg.star for arg in call.args):
                 continue
-            if _given(trace, step, flow.argument(call, 3, "sampler")) or _given(trace, step, flow.argument(call, 4, "batch_sampler")):
+            if _given(trace, step, syntax.argument(call, 3, "sampler")) or _given(trace, step, syntax.argument(call, 4, "batch_sampler")):
                 continue
             if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
                 continue
-            dataset = flow.argument(call, 0, "dataset")
+            dataset = syntax.argument(call, 0, "dataset")
             if dataset is None or _sharded_or_iterable(ctx, trace, step, dataset, iterable_classes, 0):
                 continue
             reported.add(id(call))
@@ -285,7 +280,7 @@ def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:
     if expr is None or (isinstance(expr, cst.Name) and expr.value == "None"):
         return False
     value = trace.value(expr, step)
-    return not (value is not None and value.kind == flow.CONST and value.attrs.get("value") is None)
+    return not (value is not None and value.kind == kinds.CONST and value.attrs.get("value") is None)
 
 
 def _iterable_classes(ctx: LintContext) -> set[str]:
@@ -320,16 +315,16 @@ def _sharded_or_iterable(
         return False
     value = trace.value(expr, step)
     if value is not None:
-        if value.kind in (flow.RANK, flow.LOCAL_RANK, flow.WORLD_SIZE, flow.LOCAL_SIZE, "scaled"):
+        if value.kind in (kinds.RANK, kinds.LOCAL_RANK, kinds.WORLD_SIZE, kinds.LOCAL_SIZE, "scaled"):
             return True
-        if value.kind == flow.INSTANCE:
+        if value.kind == kinds.INSTANCE:
             cls = value.attrs.get("class", "")
             if cls in iterable_classes:
                 return True
             if isinstance(value.node, cst.Call):
                 return _mentions_sharding(ctx, trace, step, value.node, iterable_classes, depth)
             return False
-        if value.kind == flow.UNKNOWN:
+        if value.kind == kinds.UNKNOWN:
             bound = bound_expression(value)
             if bound is not None:
                 return _mentions_sharding(ctx, trace, step, bound, iterable_classes, depth)

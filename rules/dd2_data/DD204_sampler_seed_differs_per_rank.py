@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 SAMPLER = "torch.utils.data.DistributedSampler"
@@ -157,7 +157,7 @@ class SamplerSeedDiffersPerRank(Rule):
         for trace, step, call in ctx.calls(SAMPLER):
             if id(call) in reported:
                 continue
-            seed = flow.argument(call, 4, "seed")
+            seed = syntax.argument(call, 4, "seed")
             if seed is None:
                 continue
             cause = _varies(ctx, trace, step, seed, 0)
@@ -165,7 +165,7 @@ class SamplerSeedDiffersPerRank(Rule):
                 continue
             reported.add(id(call))
             yield Report(
-                flow.arg_node(call, seed),
+                syntax.arg_node(call, seed),
                 f"the DistributedSampler seed `{ctx.code(seed)}` depends on {cause}, so it differs "
                 "between ranks: each rank shuffles differently before taking its slice, and the "
                 "shards overlap while other samples are never seen. Give every rank the same seed "
@@ -207,6 +207,6 @@ def _varies(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression
             return None
         if value.is_rank_like:
             return f"the rank ({ctx.code(expr)})"
-        if value.kind == flow.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)) and value.node.value is not None:
+        if value.kind == kinds.UNKNOWN and isinstance(value.node, (cst.Assign, cst.AnnAssign)) and value.node.value is not None:
             return _varies(ctx, trace, step, value.node.value, depth + 1)
     return None

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Value
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.loaders import loader_loops, says_eval
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -190,7 +190,7 @@ class EvalSamplerPadding(Rule):
             if key in trained:
                 continue
             sampler = loader.inner
-            if sampler is None or sampler.kind != flow.SAMPLER or not isinstance(sampler.node, cst.Call):
+            if sampler is None or sampler.kind != kinds.SAMPLER or not isinstance(sampler.node, cst.Call):
                 continue
             if id(sampler.node) in reported or not _pads(sampler.node):
                 continue
@@ -205,7 +205,7 @@ class EvalSamplerPadding(Rule):
 
 
 def _pads(sampler_call: cst.Call) -> bool:
-    drop_last = flow.argument(sampler_call, 5, "drop_last")
+    drop_last = syntax.argument(sampler_call, 5, "drop_last")
     return drop_last is None or (isinstance(drop_last, cst.Name) and drop_last.value == "False")
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds
 from distdoctor.lint.analysis.context import LintContext, RankGuard
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -266,7 +266,7 @@ def _events(ctx: LintContext, trace: Trace) -> Iterable[_Event]:
             continue
         if what is None:
             func = trace.value(call.func, step)
-            if func is None or func.kind != flow.DDP:
+            if func is None or func.kind != kinds.DDP:
                 continue
             what = DDP_FORWARD
         yield _Event(step, call, what, tuple(ctx.rank_guards(trace, step)))

@@ -7,14 +7,14 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
 SAVE = "torch.save"
-STATE_KINDS = (flow.DDP, flow.MODULE, flow.OPTIMIZER, flow.HVD_OPTIMIZER, flow.PARAMS, flow.SCALER)
+STATE_KINDS = (kinds.DDP, kinds.MODULE, kinds.OPTIMIZER, kinds.HVD_OPTIMIZER, kinds.PARAMS, kinds.SCALER)
 STATE_KEYS = frozenset(
     {
         "model", "state_dict", "model_state_dict", "model_state", "net", "network", "optimizer",
@@ -53,7 +53,7 @@ def per_rank_path(trace: Trace, step: Step, path: cst.BaseExpression | None) -> 
     """`f"ckpt_rank{rank}.pt"`: each rank writes its own file on purpose."""
     if path is None:
         return False
-    for node in flow.walk(path):
+    for node in syntax.walk(path):
         if isinstance(node, cst.BaseExpression):
             value = trace.value(node, step)
             if value is not None and value.is_rank_like:
@@ -276,10 +276,10 @@ class UnguardedCheckpointSave(Rule):
         for trace, step, call in ctx.calls(SAVE):
             if not ctx.is_entry(trace):
                 continue
-            obj = flow.argument(call, 0, "obj")
+            obj = syntax.argument(call, 0, "obj")
             if obj is None or not is_training_state(ctx, trace, step, obj):
                 continue
-            if per_rank_path(trace, step, flow.argument(call, 1, "f")):
+            if per_rank_path(trace, step, syntax.argument(call, 1, "f")):
                 continue
             guards = ctx.rank_guards(trace, step)
             if any(not guard.zero for guard in guards):
@@ -306,10 +306,10 @@ def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bo
     """`if gpu == 0` / `if self.gpu_id == 0` / `if args.gpu == 0` in an `mp.spawn` worker: the
     index is the rank of a one-node job, the usual case for spawn scripts, so the guard counts as
     a rank-0 guard. The index may sit in a name or in an attribute it was stored in."""
-    for node in flow.walk(test):
+    for node in syntax.walk(test):
         if isinstance(node, (cst.Name, cst.Attribute)):
             value = trace.value(node, step)
-            if value is not None and value.kind == flow.LOCAL_RANK and value.origin == "spawn":
+            if value is not None and value.kind == kinds.LOCAL_RANK and value.origin == "spawn":
                 return True
     return False
 
@@ -321,7 +321,7 @@ def _multi_process(ctx: LintContext) -> bool:
         return False
     if ctx.process_group_initialised:
         return True
-    for qual in ("horovod.torch.init", "torch.nn.parallel.DistributedDataParallel"):
+    for qual in (frameworks.HOROVOD_INIT, frameworks.DDP):
         if next(iter(ctx.calls(qual)), None) is not None:
             return True
     return False

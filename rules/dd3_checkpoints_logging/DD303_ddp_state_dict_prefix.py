@@ -6,10 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -237,9 +237,9 @@ class DDPStateDictPrefix(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        restored: list[flow.Value] | None = None
+        restored: list[kinds.Value] | None = None
         for trace, step, call in ctx.calls(SAVE):
-            obj = flow.argument(call, 0, "obj")
+            obj = syntax.argument(call, 0, "obj")
             if obj is None:
                 continue
             for part_step, part in ctx.parts_of(trace, step, obj):
@@ -250,7 +250,7 @@ class DDPStateDictPrefix(Rule):
                 ):
                     continue
                 wrapper = trace.value(part.func.value, part_step)
-                if wrapper is None or wrapper.kind != flow.DDP:
+                if wrapper is None or wrapper.kind != kinds.DDP:
                     continue
                 if restored is None:
                     restored = _wrappers_restored_from_checkpoints(ctx)
@@ -270,19 +270,19 @@ class DDPStateDictPrefix(Rule):
                 )
 
 
-def _wrappers_restored_from_checkpoints(ctx: LintContext) -> list[flow.Value]:
+def _wrappers_restored_from_checkpoints(ctx: LintContext) -> list[kinds.Value]:
     """DDP wrappers this file restores from a checkpoint file: `ddp.load_state_dict(x)` where `x`
     comes from `torch.load` (through names and subscripts), or the wrapper itself (not its
     `.module`) handed to a restore helper (`restart_from_checkpoint(path, model=ddp)`,
     `load_checkpoint(ddp, path)`), whose body may live in another module."""
-    found: list[flow.Value] = []
+    found: list[kinds.Value] = []
     for trace in ctx.traces:
         for step, call in trace.calls():
             func = call.func
             if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict":
                 receiver = trace.value(func.value, step)
-                arg = flow.argument(call, 0, "state_dict")
-                if receiver is not None and receiver.kind == flow.DDP and arg is not None and _from_torch_load(ctx, trace, step, arg):
+                arg = syntax.argument(call, 0, "state_dict")
+                if receiver is not None and receiver.kind == kinds.DDP and arg is not None and _from_torch_load(ctx, trace, step, arg):
                     found.append(receiver)
                 continue
             words = (dotted(func) or "").rsplit(".", 1)[-1].lower().split("_")
@@ -290,7 +290,7 @@ def _wrappers_restored_from_checkpoints(ctx: LintContext) -> list[flow.Value]:
                 continue
             for arg in call.args:
                 value = trace.value(arg.value, step)
-                if value is not None and value.kind == flow.DDP:
+                if value is not None and value.kind == kinds.DDP:
                     found.append(value)
     return found
 

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -317,7 +317,7 @@ def _output_kind(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> 
 
 def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
     for arg in call.args:
-        for node in flow.walk(arg.value):
+        for node in syntax.walk(arg.value):
             if isinstance(node, (cst.Name, cst.Attribute, cst.Call)):
                 value = trace.value(node, step)
                 if value is not None and value.is_rank_like:
@@ -352,7 +352,7 @@ def _names_process(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExp
     params = set()
     if step.frame.function is not None:
         params = {p.name.value for p in step.frame.function.params.params}
-    for node in flow.walk(expr, skip=(cst.Lambda,)):
+    for node in syntax.walk(expr, skip=(cst.Lambda,)):
         if isinstance(node, cst.Attribute):
             attribute_names.add(id(node.attr))
         if isinstance(node, cst.Call) and ctx.qualname(node.func) in PROCESS_NAMES:

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 LOAD = "torch.load"
@@ -279,7 +279,7 @@ class LoadWithoutMapLocation(Rule):
         cpu_files: set[str] | None = None
         reported: set[int] = set()
         for trace, step, call in ctx.calls(LOAD):
-            if id(call) in reported or flow.argument(call, 1, "map_location") is not None:
+            if id(call) in reported or syntax.argument(call, 1, "map_location") is not None:
                 continue
             if not call.args or any(arg.star for arg in call.args):
                 continue
@@ -287,7 +287,7 @@ class LoadWithoutMapLocation(Rule):
                 continue
             if cpu_files is None:
                 cpu_files = _files_saved_on_cpu(ctx)
-            name = _file_name(flow.argument(call, 0, "f"))
+            name = _file_name(syntax.argument(call, 0, "f"))
             if name is not None and name in cpu_files:
                 continue
             reported.add(id(call))
@@ -327,11 +327,11 @@ def _other_branch_maps(ctx: LintContext, step: Step) -> bool:
         other = next((node.body for node in ctx.nodes(cst.If) if node.orelse is owner), None)
     if other is None:
         return False
-    return any(_maps(ctx, node) for node in flow.walk(other) if isinstance(node, cst.Call))
+    return any(_maps(ctx, node) for node in syntax.walk(other) if isinstance(node, cst.Call))
 
 
 def _maps(ctx: LintContext, call: cst.Call) -> bool:
-    return ctx.qualname(call.func) == LOAD and flow.argument(call, 1, "map_location") is not None
+    return ctx.qualname(call.func) == LOAD and syntax.argument(call, 1, "map_location") is not None
 
 
 def _files_saved_on_cpu(ctx: LintContext) -> set[str]:
@@ -341,8 +341,8 @@ def _files_saved_on_cpu(ctx: LintContext) -> set[str]:
     for call in ctx.nodes(cst.Call):
         if ctx.qualname(call.func) != SAVE:
             continue
-        obj = flow.argument(call, 0, "obj")
-        name = _file_name(flow.argument(call, 1, "f"))
+        obj = syntax.argument(call, 0, "obj")
+        name = _file_name(syntax.argument(call, 1, "f"))
         if obj is not None and name is not None and _on_cpu(obj):
             names.add(name)
     return names
@@ -366,7 +366,7 @@ def _file_name(path: cst.BaseExpression | None) -> str | None:
     if path is None:
         return None
     last: str | None = None
-    for node in flow.walk(path):
+    for node in syntax.walk(path):
         if isinstance(node, cst.SimpleString):
             value = node.evaluated_value
             last = value if isinstance(value, str) else None

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -185,20 +185,20 @@ def _eval_loops(ctx: LintContext, trace: Trace) -> Iterable[Step]:
         if not isinstance(step.node, cst.For):
             continue
         source = _iterated(trace, step, step.node.iter)
-        if source is None or source.kind != flow.LOADER or source.inner is None or source.inner.kind != flow.SAMPLER:
+        if source is None or source.kind != kinds.LOADER or source.inner is None or source.inner.kind != kinds.SAMPLER:
             continue
         loop = step.node
         trains = any(
             ctx.is_backward(call)
             for other in trace.steps
             if other.in_loop(loop)
-            for call in flow.own_calls(other.node)
+            for call in syntax.own_calls(other.node)
         )
         if not trains:
             yield step
 
 
-def _iterated(trace: Trace, step: Step, iterable: cst.BaseExpression) -> flow.Value | None:
+def _iterated(trace: Trace, step: Step, iterable: cst.BaseExpression) -> kinds.Value | None:
     inner = iterable
     while isinstance(inner, cst.Call) and inner.args and dotted(inner.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
         inner = inner.args[0].value
@@ -212,7 +212,7 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
         if not other.in_loop(loop):
             break
         seeds |= {(other.frame.id, name) for name in _assigned_names(other.node)}
-        for call in flow.own_calls(other.node):
+        for call in syntax.own_calls(other.node):
             # `losses.append(...)`, `meter.update(...)`: accumulators mutated in place.
             if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("append", "extend", "update", "add", "add_", "add_batch"):
                 base = call.func.value
@@ -225,12 +225,12 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
     for later, uses in ctx.data_flow(trace, loop_step, seeds):
         if later.in_loop(loop):
             continue
-        for call in flow.own_calls(later.node):
+        for call in syntax.own_calls(later.node):
             if _reduces(ctx, call):
                 return
         if not uses or not ctx.under_rank_zero(trace, later):
             continue
-        for call in flow.own_calls(later.node):
+        for call in syntax.own_calls(later.node):
             if _is_report(ctx, call):
                 yield Report(
                     call,

@@ -6,9 +6,9 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 
@@ -191,16 +191,16 @@ class HorovodLrNotScaled(Rule):
         wraps = list(ctx.calls("horovod.torch.DistributedOptimizer"))
         if not wraps:
             return
-        if any("Adasum" in ctx.code(flow.keyword(call, "op") or cst.Name("x")) for _, _, call in wraps):
+        if any("Adasum" in ctx.code(syntax.keyword(call, "op") or cst.Name("x")) for _, _, call in wraps):
             return
         if self._scaled_later(ctx):
             return
-        wrapped = [trace.value(flow.argument(call, 0, "optimizer"), step) for trace, step, call in wraps]
-        known = [value for value in wrapped if value is not None and value.kind == flow.OPTIMIZER]
+        wrapped = [trace.value(syntax.argument(call, 0, "optimizer"), step) for trace, step, call in wraps]
+        known = [value for value in wrapped if value is not None and value.kind == kinds.OPTIMIZER]
         for trace, step, call in _optimizer_creations(ctx):
             if known and not any(value.node is call for value in known):
                 continue
-            lr = flow.argument(call, 1, "lr")
+            lr = syntax.argument(call, 1, "lr")
             if lr is None or ctx.scales_with_world_size(trace, step, lr):
                 continue
             yield Report(
@@ -218,7 +218,7 @@ class HorovodLrNotScaled(Rule):
                 targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
                 if any(is_lr_slot(t) for t in targets) and ctx.scales_with_world_size(trace, step, node.value):
                     return True
-            for call in flow.own_calls(node):
+            for call in syntax.own_calls(node):
                 qual = ctx.qualname(call.func) or ""
                 if qual.startswith("torch.optim.lr_scheduler") and any(
                     ctx.scales_with_world_size(trace, step, arg.value) or _factor_uses_size(ctx, trace, step, arg.value)
@@ -241,7 +241,7 @@ def _factor_uses_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.Base
     if isinstance(expr, cst.Name) and expr.value in ctx.info.functions:
         body = ctx.info.functions[expr.value]
         return any(
-            isinstance(node, cst.Call) and ctx.qualname(node.func) in _SIZE_QUALS for node in flow.walk(body)
+            isinstance(node, cst.Call) and ctx.qualname(node.func) in _SIZE_QUALS for node in syntax.walk(body)
         )
     return False
 

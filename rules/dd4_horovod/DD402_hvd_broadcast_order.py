@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import evaluate, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -186,7 +186,7 @@ class HorovodBroadcastOrder(Rule):
                 f"hvd.{api}() runs under a rank condition: it is a collective every worker must join, "
                 f"so the others wait forever. Call it on all ranks."
             )
-        arg = flow.argument(call, 0, "params" if kind == BROADCAST_PARAMS else "optimizer")
+        arg = syntax.argument(call, 0, "params" if kind == BROADCAST_PARAMS else "optimizer")
         if arg is None:
             return None
         target = _broadcast_object(arg, kind)
@@ -208,9 +208,9 @@ class HorovodBroadcastOrder(Rule):
                 value = trace.value(later_step.node.value, later_step) if isinstance(later_step.node, cst.Assign) else None
                 if value is None:
                     continue
-                new = value.inner if value.kind == flow.HVD_OPTIMIZER else value
-                if value.kind in (flow.OPTIMIZER, flow.HVD_OPTIMIZER) and new is not None and not new.same_object(before):
-                    if new.kind == flow.OPTIMIZER:
+                new = value.inner if value.kind == kinds.HVD_OPTIMIZER else value
+                if value.kind in (kinds.OPTIMIZER, kinds.HVD_OPTIMIZER) and new is not None and not new.same_object(before):
+                    if new.kind == kinds.OPTIMIZER:
                         line = ctx.position(later_step.node).start.line
                         return (
                             f"the optimizer `{dotted(target)}` is replaced on line {line} after "
@@ -243,7 +243,7 @@ class HorovodBroadcastOrder(Rule):
             return None
         value = trace.value(target, step)
         for later in trace.steps[step.index + 1 :]:
-            for call in flow.own_calls(later.node):
+            for call in syntax.own_calls(later.node):
                 func = call.func
                 if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict"):
                     continue
@@ -271,17 +271,17 @@ def _broadcast_object(arg: cst.BaseExpression, kind: str) -> cst.BaseExpression 
 
 
 def _dotted_names(node: cst.CSTNode) -> set[str]:
-    return {text for sub in flow.walk(node) if (text := dotted(sub)) is not None}
+    return {text for sub in syntax.walk(node) if (text := dotted(sub)) is not None}
 
 
 def _later_bindings(trace: Trace, step: Step, target: cst.BaseExpression) -> list[Step]:
     """Later steps of the same function that assign the same name."""
-    key = flow.env_key(target, step.frame)
+    key = evaluate.env_key(target, step.frame)
     found = []
     for later in trace.steps[step.index + 1 :]:
         if later.frame is not step.frame or not isinstance(later.node, cst.Assign):
             continue
-        if any(flow.env_key(t.target, later.frame) == key for t in later.node.targets):
+        if any(evaluate.env_key(t.target, later.frame) == key for t in later.node.targets):
             found.append(later)
     return found
 

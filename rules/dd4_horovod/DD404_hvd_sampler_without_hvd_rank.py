@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -174,7 +174,7 @@ class HorovodSamplerWithoutHorovodRank(Rule):
         for trace, step, call in ctx.calls(SAMPLER):
             if any(arg.star for arg in call.args):
                 continue  # `**kwargs` may carry them
-            given = {name: flow.argument(call, position, name) for position, name in ((1, "num_replicas"), (2, "rank"))}
+            given = {name: syntax.argument(call, position, name) for position, name in ((1, "num_replicas"), (2, "rank"))}
             missing = [name for name, expr in given.items() if expr is None]
             if missing:
                 yield Report(
@@ -189,7 +189,7 @@ class HorovodSamplerWithoutHorovodRank(Rule):
             per_node = [
                 name
                 for name, value in values.items()
-                if value is not None and value.origin == "hvd" and value.kind in (flow.LOCAL_RANK, flow.LOCAL_SIZE)
+                if value is not None and value.origin == "hvd" and value.kind in (kinds.LOCAL_RANK, kinds.LOCAL_SIZE)
             ]
             if from_torch:
                 yield Report(

@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -236,7 +237,7 @@ class HorovodClipWithoutSynchronize(Rule):
 def _previous_backward(ctx: LintContext, trace: Trace, clip_step: Step) -> Step | None:
     """The backward pass the clipping follows, in the same iteration (no optimizer step between)."""
     for earlier in reversed(trace.steps[: clip_step.index]):
-        for call in reversed(flow.own_calls(earlier.node)):
+        for call in reversed(syntax.own_calls(earlier.node)):
             if ctx.is_backward(call):
                 return earlier
             if ctx.stepped_optimizer(trace, earlier, call) is not None:
@@ -247,19 +248,19 @@ def _previous_backward(ctx: LintContext, trace: Trace, clip_step: Step) -> Step 
 def _next_hvd_step(ctx: LintContext, trace: Trace, clip_step: Step) -> tuple[Step, cst.Call, Value] | None:
     """The Horovod optimizer step that follows the clipping, before any further backward pass."""
     for later in trace.steps[clip_step.index + 1 :]:
-        for call in flow.own_calls(later.node):
+        for call in syntax.own_calls(later.node):
             if ctx.is_backward(call):
                 return None
             optimizer = ctx.stepped_optimizer(trace, later, call)
             if optimizer is not None:
-                return (later, call, optimizer) if optimizer.kind == flow.HVD_OPTIMIZER else None
+                return (later, call, optimizer) if optimizer.kind == kinds.HVD_OPTIMIZER else None
     return None
 
 
 def _synchronized_between(ctx: LintContext, trace: Trace, start: int, end: int) -> bool:
     """Any `<x>.synchronize()` that is not `torch.cuda.synchronize()` between two steps."""
     for between in trace.steps[start : end + 1]:
-        for call in flow.own_calls(between.node):
+        for call in syntax.own_calls(between.node):
             if (
                 isinstance(call.func, cst.Attribute)
                 and call.func.attr.value == "synchronize"

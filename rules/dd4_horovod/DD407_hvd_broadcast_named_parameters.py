@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
 from distdoctor.lint.rule import Example, Report, Rule
@@ -165,7 +165,7 @@ class HorovodBroadcastNamedParameters(Rule):
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         for trace, step, call in ctx.calls(BROADCAST):
-            arg = flow.argument(call, 0, "params")
+            arg = syntax.argument(call, 0, "params")
             if arg is None:
                 continue
             method = _generator_method(arg)
@@ -173,7 +173,7 @@ class HorovodBroadcastNamedParameters(Rule):
                 if not isinstance(arg, (cst.Name, cst.Attribute)):
                     continue  # list(...), dict(...), a comprehension: accepted by Horovod
                 value = trace.value(arg, step)
-                if value is None or value.kind != flow.PARAMS or value.attrs.get("method") not in GENERATORS:
+                if value is None or value.kind != kinds.PARAMS or value.attrs.get("method") not in GENERATORS:
                     continue
                 method = value.attrs["method"]
             fix = None
@@ -192,7 +192,7 @@ def _generator_method(arg: cst.BaseExpression) -> str | None:
         isinstance(arg, cst.Call)
         and isinstance(arg.func, cst.Attribute)
         and arg.func.attr.value in GENERATORS
-        and flow.dotted(arg.func.value) is not None
+        and names.dotted(arg.func.value) is not None
     ):
         return arg.func.attr.value
     return None

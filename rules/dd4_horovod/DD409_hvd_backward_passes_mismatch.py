@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -186,7 +186,7 @@ class HorovodBackwardPassesMismatch(Rule):
         for trace in ctx.traces:
             for step, call in trace.calls():
                 optimizer = ctx.stepped_optimizer(trace, step, call)
-                if optimizer is None or optimizer.kind != flow.HVD_OPTIMIZER or not isinstance(optimizer.node, cst.Call):
+                if optimizer is None or optimizer.kind != kinds.HVD_OPTIMIZER or not isinstance(optimizer.node, cst.Call):
                     continue
                 if not step.loops:
                     continue  # a step function traced on its own; its callers' traces count it
@@ -208,7 +208,7 @@ class HorovodBackwardPassesMismatch(Rule):
 
 
 def _declared_passes(ctx: LintContext, wrap: cst.Call) -> tuple[int | None, cst.CSTNode]:
-    given = flow.keyword(wrap, "backward_passes_per_step")
+    given = syntax.keyword(wrap, "backward_passes_per_step")
     if given is None:
         positional = [arg for arg in wrap.args if arg.keyword is None and not arg.star]
         if len(positional) > 3 or any(arg.star for arg in wrap.args):
@@ -218,7 +218,7 @@ def _declared_passes(ctx: LintContext, wrap: cst.Call) -> tuple[int | None, cst.
         for step, call in trace.calls():
             if call is wrap:
                 value = trace.value(given, step)
-                if value is not None and value.kind == flow.CONST and isinstance(value.attrs.get("value"), int):
+                if value is not None and value.kind == kinds.CONST and isinstance(value.attrs.get("value"), int):
                     return value.attrs["value"], given
                 return None, given
     return None, given

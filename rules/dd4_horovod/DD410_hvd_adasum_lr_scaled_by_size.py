@@ -6,9 +6,9 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import syntax
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -174,14 +174,14 @@ def _adasum_flags(ctx: LintContext) -> set[str] | None:
     flags: set[str] = set()
     found = False
     for trace, step, call in ctx.calls("horovod.torch.DistributedOptimizer"):
-        op = flow.keyword(call, "op")
+        op = syntax.keyword(call, "op")
         if op is None:
             continue
         resolved = _resolve_op(ctx, trace, step, op)
         if "Adasum" not in ctx.code(resolved):
             continue
         found = True
-        for node in flow.walk(resolved):
+        for node in syntax.walk(resolved):
             if isinstance(node, cst.IfExp):
                 flags |= _names(node.test)
     return flags if found else None
@@ -198,7 +198,7 @@ def _learning_rates(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.BaseExp
         for step, call in trace.calls():
             qual = ctx.qualname(call.func) or ""
             if qual.startswith("torch.optim.") and qual.rsplit(".", 1)[-1][:1].isupper():
-                lr = flow.argument(call, 1, "lr")
+                lr = syntax.argument(call, 1, "lr")
                 if lr is not None:
                     yield trace, step, lr
         for step in trace.steps:
@@ -208,7 +208,7 @@ def _learning_rates(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.BaseExp
 
 def _multiplies_by_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
     """`hvd.size()` in the expression, or a plain variable computed from it unconditionally."""
-    for node in flow.walk(expr, skip=(cst.Lambda,)):
+    for node in syntax.walk(expr, skip=(cst.Lambda,)):
         if isinstance(node, cst.Call) and ctx.qualname(node.func) == SIZE:
             return True
         if isinstance(node, cst.Name):
@@ -216,8 +216,8 @@ def _multiplies_by_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.Ba
             if binding is None:
                 continue
             value = binding[1]
-            if not any(isinstance(sub, cst.IfExp) for sub in flow.walk(value)) and any(
-                isinstance(sub, cst.Call) and ctx.qualname(sub.func) == SIZE for sub in flow.walk(value)
+            if not any(isinstance(sub, cst.IfExp) for sub in syntax.walk(value)) and any(
+                isinstance(sub, cst.Call) and ctx.qualname(sub.func) == SIZE for sub in syntax.walk(value)
             ):
                 return True
     return False
@@ -228,8 +228,8 @@ def _conditioned_on(ctx: LintContext, step: Step, expr: cst.BaseExpression, flag
         return False
     if any(_names(guard.test) & flags for guard in step.guards):
         return True
-    return any(isinstance(node, cst.IfExp) and _names(node.test) & flags for node in flow.walk(expr))
+    return any(isinstance(node, cst.IfExp) and _names(node.test) & flags for node in syntax.walk(expr))
 
 
 def _names(node: cst.CSTNode) -> set[str]:
-    return {text for sub in flow.walk(node) if (text := dotted(sub)) is not None}
+    return {text for sub in syntax.walk(node) if (text := dotted(sub)) is not None}

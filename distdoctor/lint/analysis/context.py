@@ -13,9 +13,10 @@ from functools import cached_property
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from distdoctor.lint.analysis import flow
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.finding import Edit
-from distdoctor.lint.analysis.flow import Guard, ModuleInfo, Step, Trace, Value
+from distdoctor.lint.analysis.trace import Frame, Guard, ModuleInfo, Step, Trace, build_traces, iter_steps
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import ImportTable, dotted
 
 
@@ -71,13 +72,13 @@ class LintContext:
 
     @cached_property
     def traces(self) -> list[Trace]:
-        return flow.build_traces(self.info)
+        return build_traces(self.info)
 
     def qualname(self, node: cst.CSTNode) -> str | None:
         return self.imports.qualname(node)
 
     def steps(self) -> Iterator[tuple[Trace, Step]]:
-        return flow.iter_steps(self.traces)
+        return iter_steps(self.traces)
 
     def calls(self, *qualnames: str, suffix: str | None = None) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """Calls on the code path to any of `qualnames` (or whose qualified name ends with
@@ -134,8 +135,8 @@ class LintContext:
         """The enclosing conditions of `step` that restrict it to rank 0 or to the other ranks."""
         found = []
         for guard in step.guards:
-            value = flow.Evaluator(self.info, step.env, guard.frame, {}).eval(guard.test)
-            if value is None or value.kind != flow.RANK_TEST:
+            value = evaluate.Evaluator(self.info, step.env, guard.frame, {}).eval(guard.test)
+            if value is None or value.kind != kinds.RANK_TEST:
                 continue
             zero = bool(value.attrs.get("zero")) != guard.negated
             found.append(RankGuard(guard, zero, _tests_local_rank(guard.test, self, step)))
@@ -164,8 +165,8 @@ class LintContext:
     @cached_property
     def _parents(self) -> dict[int, cst.CSTNode]:
         parents: dict[int, cst.CSTNode] = {}
-        for node in flow.walk(self.module):
-            for name in flow._code_fields(type(node)):
+        for node in syntax.walk(self.module):
+            for name in syntax._code_fields(type(node)):
                 value = getattr(node, name)
                 items = value if isinstance(value, (list, tuple)) else (value,)
                 for item in items:
@@ -176,7 +177,7 @@ class LintContext:
     @cached_property
     def _nodes_by_type(self) -> dict[type, list[cst.CSTNode]]:
         index: dict[type, list[cst.CSTNode]] = {}
-        for node in flow.walk(self.module):
+        for node in syntax.walk(self.module):
             index.setdefault(type(node), []).append(node)
         return index
 
@@ -190,7 +191,7 @@ class LintContext:
         `torch.inference_mode()`, or in a function decorated with them, here or at a call site
         that led to it."""
         node: cst.CSTNode | None = step.node
-        frame: flow.Frame | None = step.frame
+        frame: Frame | None = step.frame
         while node is not None:
             parent = self.parent(node)
             if isinstance(parent, cst.With) and any(self._is_no_grad(item.item) for item in parent.items):
@@ -224,7 +225,7 @@ class LintContext:
         text = dotted(expr)
         if text is None:
             return None
-        key = flow.env_key(expr, step.frame)
+        key = evaluate.env_key(expr, step.frame)
         visible = {id(f) for f in step.frame.chain()}
         for earlier in reversed(trace.steps[: step.index]):
             node = earlier.node
@@ -236,7 +237,7 @@ class LintContext:
                 continue
             if dotted(target) != text:
                 continue
-            other = flow.env_key(target, earlier.frame)
+            other = evaluate.env_key(target, earlier.frame)
             if other == key or (other is not None and other[0] == "local" and id(earlier.frame) in visible):
                 return earlier, node.value
         frame = step.frame
@@ -245,9 +246,9 @@ class LintContext:
             if expr.value in params and frame.parent is not None:
                 if frame.cls is not None and params and params[0] == "self":
                     params = params[1:]
-                arg = flow.argument(frame.call, params.index(expr.value), expr.value) if expr.value in params else None
+                arg = syntax.argument(frame.call, params.index(expr.value), expr.value) if expr.value in params else None
                 caller = next(
-                    (s for s in trace.steps[step.index :] if s.frame is frame.parent and any(c is frame.call for c in flow.own_calls(s.node))),
+                    (s for s in trace.steps[step.index :] if s.frame is frame.parent and any(c is frame.call for c in syntax.own_calls(s.node))),
                     None,
                 )
                 if arg is not None and caller is not None:
@@ -262,7 +263,7 @@ class LintContext:
         `WORLD_SIZE`, directly or through a variable or helper computed from them."""
         for sub in _subexpressions(expr):
             value = trace.value(sub, step)
-            if value is not None and value.kind in (flow.WORLD_SIZE, flow.LOCAL_SIZE, "scaled"):
+            if value is not None and value.kind in (kinds.WORLD_SIZE, kinds.LOCAL_SIZE, "scaled"):
                 return True
         return False
 
@@ -278,13 +279,13 @@ class LintContext:
         `scaler.step(opt)` steps, or None when `call` is no known optimizer step."""
         if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"):
             return None
-        kinds = (flow.OPTIMIZER, flow.HVD_OPTIMIZER)
+        optimizer_kinds = (kinds.OPTIMIZER, kinds.HVD_OPTIMIZER)
         receiver = trace.value(call.func.value, step)
-        if receiver is not None and receiver.kind in kinds:
+        if receiver is not None and receiver.kind in optimizer_kinds:
             return receiver
-        if receiver is not None and receiver.kind == flow.SCALER and call.args:
+        if receiver is not None and receiver.kind == kinds.SCALER and call.args:
             stepped = trace.value(call.args[0].value, step)
-            if stepped is not None and stepped.kind in kinds:
+            if stepped is not None and stepped.kind in optimizer_kinds:
                 return stepped
         return None
 
@@ -303,7 +304,7 @@ class LintContext:
         for other in trace.steps:
             if not other.in_loop(loop):
                 continue
-            for call in flow.own_calls(other.node):
+            for call in syntax.own_calls(other.node):
                 if isinstance(call.func, cst.Attribute) and call.func.attr.value == "step" and self.stepped_optimizer(trace, other, call) is not None:
                     updates += 1
                 if not self.is_backward(call):
@@ -368,7 +369,7 @@ class LintContext:
             return False
         if self.process_group_initialised:
             return True
-        wanted = ("horovod.torch.init", "torch.nn.parallel.DistributedDataParallel")
+        wanted = (frameworks.HOROVOD_INIT, frameworks.DDP)
         return any(self.qualname(call.func) in wanted for _, call in self._all_calls)
 
     def data_flow(self, trace: Trace, start: Step, seeds: set[tuple[int, str]]) -> Iterator[tuple[Step, bool]]:
@@ -379,7 +380,7 @@ class LintContext:
         tainted = set(seeds)
         returned: set[int] = set()
         for step in trace.steps[start.index + 1 :]:
-            calls = flow.own_calls(step.node)
+            calls = syntax.own_calls(step.node)
             uses = any((step.frame.id, name) in tainted for name in _read_names(step.node))
             uses = uses or any(id(call) in returned for call in calls)
             if uses:
@@ -458,11 +459,11 @@ class LintContext:
 def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) -> bool:
     """Whether a rank test reads the local rank (true once per node, not once per job), e.g.
     `local_rank == 0`, or `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet)."""
-    evaluator = flow.Evaluator(ctx.info, step.env, step.frame, {})
-    for node in flow.walk(test):
+    evaluator = evaluate.Evaluator(ctx.info, step.env, step.frame, {})
+    for node in syntax.walk(test):
         if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.BinaryOperation)):
             value = evaluator.eval(node)
-            if value is not None and value.kind == flow.LOCAL_RANK:
+            if value is not None and value.kind == kinds.LOCAL_RANK:
                 return True
     return False
 
@@ -489,7 +490,7 @@ def _read_names(node: cst.CSTNode) -> set[str]:
     names: set[str] = set()
     for part in parts:
         attribute_names: set[int] = set()
-        for node in flow.walk(part, skip=(cst.Lambda,)):
+        for node in syntax.walk(part, skip=(cst.Lambda,)):
             if isinstance(node, cst.Attribute):
                 attribute_names.add(id(node.attr))  # `x.attr` reads x, not a name `attr`
             elif isinstance(node, cst.Name) and id(node) not in attribute_names:
@@ -524,12 +525,12 @@ def _assigned_names(node: cst.CSTNode) -> set[str]:
 def _subexpressions(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
     if isinstance(expr, cst.Lambda):
         return [expr]  # a lambda's body runs later, not where the expression is evaluated
-    return [node for node in flow.walk(expr, skip=(cst.Lambda,)) if isinstance(node, cst.BaseExpression)]
+    return [node for node in syntax.walk(expr, skip=(cst.Lambda,)) if isinstance(node, cst.BaseExpression)]
 
 
 def _static_int(trace: Trace, step: Step, expr: cst.BaseExpression) -> int | None:
     value = trace.value(expr, step)
-    if value is None or value.kind != flow.CONST:
+    if value is None or value.kind != kinds.CONST:
         return None
     number = value.attrs.get("value")
     return number if isinstance(number, int) and not isinstance(number, bool) else None
@@ -575,13 +576,13 @@ def wrapper_holding(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value
     `ddp.module`, or the name that was passed to `DDP(...)`."""
     if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
         outer = trace.value(expr.value, step)
-        if outer is not None and outer.kind == flow.DDP:
+        if outer is not None and outer.kind == kinds.DDP:
             return outer
     value = trace.value(expr, step)
-    if value is None or value.node is None or value.kind in (flow.DDP, flow.CONST, flow.TUPLE):
+    if value is None or value.node is None or value.kind in (kinds.DDP, kinds.CONST, kinds.TUPLE):
         return None
     for other in step.env.values():
-        if other.kind == flow.DDP and other.inner is not None and other.inner.same_object(value):
+        if other.kind == kinds.DDP and other.inner is not None and other.inner.same_object(value):
             return other
     return None
 

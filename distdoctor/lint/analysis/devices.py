@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
-from distdoctor.lint.analysis.flow import Step, Trace
+from distdoctor.lint.analysis import frameworks, kinds, syntax
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 
 SET_DEVICE = "torch.cuda.set_device"
@@ -24,7 +24,7 @@ SET_DEVICE = "torch.cuda.set_device"
 SET_DEVICE_INDEX = "torch.accelerator.set_device_index"
 DEVICE_CONTEXT = "torch.cuda.device"
 TORCH_DEVICE = "torch.device"
-DDP = "torch.nn.parallel.DistributedDataParallel"
+DDP = frameworks.DDP
 INIT_PROCESS_GROUP = "torch.distributed.init_process_group"
 
 
@@ -67,34 +67,34 @@ def _mentions_cuda_colon(ctx) -> bool:
 def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
     qual = ctx.qualname(call.func)
     if qual in (SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT):
-        arg = flow.argument(call, 0, "device")
+        arg = syntax.argument(call, 0, "device")
         if arg is not None and not _is_string(arg):
             yield DeviceIndex(trace, step, call, arg, "device" if qual == DEVICE_CONTEXT else "set_device")
         return
     if qual == TORCH_DEVICE:
-        kind = flow.argument(call, 0, "type")
-        index = flow.argument(call, 1, "index")
+        kind = syntax.argument(call, 0, "type")
+        index = syntax.argument(call, 1, "index")
         if index is not None and kind is not None and _string_value(kind) == "cuda":
             yield DeviceIndex(trace, step, call, index, "device")
         return
     if qual == DDP:
-        ids = flow.keyword(call, "device_ids")
+        ids = syntax.keyword(call, "device_ids")
         if isinstance(ids, (cst.List, cst.Tuple)):
             for element in ids.elements:
                 if not _is_string(element.value):
                     yield DeviceIndex(trace, step, call, element.value, "device_ids")
-        output = flow.keyword(call, "output_device")
+        output = syntax.keyword(call, "output_device")
         if output is not None and not _is_string(output):
             yield DeviceIndex(trace, step, call, output, "output_device")
         return
     if qual == INIT_PROCESS_GROUP:
-        device_id = flow.keyword(call, "device_id")
+        device_id = syntax.keyword(call, "device_id")
         if device_id is not None:
             yield DeviceIndex(trace, step, call, device_id, "device_id")
         return
     if qual is None and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda"):
         method = call.func.attr.value
-        arg = flow.argument(call, 0, "device")
+        arg = syntax.argument(call, 0, "device")
         if arg is not None and not _is_string(arg) and not _is_literal(arg) and not _looks_like_dtype(arg):
             yield DeviceIndex(trace, step, call, arg, method)
 
@@ -119,7 +119,7 @@ def _cuda_strings(node: cst.CSTNode) -> list[tuple[cst.CSTNode, cst.BaseExpressi
 def _scan_cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:
     if isinstance(node, _STEP_BOUNDARIES):
         return  # the bodies of compound statements are steps of their own
-    for inner in flow.walk(node, skip=_STEP_BOUNDARIES):
+    for inner in syntax.walk(node, skip=_STEP_BOUNDARIES):
         if isinstance(inner, cst.FormattedString):
             for before, after in itertools.pairwise(inner.parts):
                 if (
@@ -167,7 +167,7 @@ def current_device_uses(ctx) -> Iterator[tuple[Trace, Step, cst.Call, str]]:
             if method == "cuda" and not call.args:
                 yield trace, step, call, "cuda()"
             elif method == "to":
-                arg = flow.argument(call, 0, "device")
+                arg = syntax.argument(call, 0, "device")
                 if arg is not None and _means_current_cuda(ctx, trace, step, arg):
                     yield trace, step, call, "to"
 
@@ -187,9 +187,9 @@ def _means_current_cuda(ctx, trace: Trace, step: Step, expr: cst.BaseExpression,
     return False
 
 
-def _bound_expression(value: flow.Value | None) -> cst.BaseExpression | None:
+def _bound_expression(value: kinds.Value | None) -> cst.BaseExpression | None:
     """The right-hand side a name was bound from, when the flow knows no better value."""
-    if value is None or value.kind != flow.UNKNOWN:
+    if value is None or value.kind != kinds.UNKNOWN:
         return None
     node = value.node
     if isinstance(node, cst.Assign):
@@ -252,16 +252,16 @@ class _ExplicitDeviceFinder:
         if qual in (SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT) or last in ("set_device", "set_device_index"):
             self.found = True
         elif qual == INIT_PROCESS_GROUP:
-            if flow.keyword(call, "device_id") is not None:
+            if syntax.keyword(call, "device_id") is not None:
                 self.found = True
         elif qual == TORCH_DEVICE:
-            kind = flow.argument(call, 0, "type")
-            if flow.argument(call, 1, "index") is not None:
+            kind = syntax.argument(call, 0, "type")
+            if syntax.argument(call, 1, "index") is not None:
                 self.found = True
             elif kind is not None and not _plain_device(self.ctx, kind) and _string_value(kind) != "cuda":
                 self.found = True  # "cuda:1", or a variable that may well hold "cuda:N"
         elif qual == "" and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("cuda", "to"):
-            arg = flow.argument(call, 0, "device")
+            arg = syntax.argument(call, 0, "device")
             if arg is None or _looks_like_dtype(arg) or _plain_device(self.ctx, arg):
                 return
             if (dotted(arg) or "") in self.plain_names or _is_literal(arg) and call.func.attr.value == "to":

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import flow
-from distdoctor.lint.analysis.flow import Step, Trace, Value
+from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 
 EVAL_WORDS = frozenset(
@@ -50,7 +51,7 @@ def loader_loops(ctx) -> Iterator[LoaderLoop]:
                     if loader is not None:
                         yield LoaderLoop(trace, step, iterated, loader, id(step.node) in training)
             elif step.loops:
-                for call in flow.own_calls(step.node):
+                for call in syntax.own_calls(step.node):
                     if isinstance(call.func, cst.Name) and call.func.value == "next" and call.args:
                         for iterated in drawn_from(call.args[0].value):
                             loader = loader_value(trace, step, iterated)
@@ -91,9 +92,9 @@ def drawn_from(expr: cst.BaseExpression) -> Iterator[cst.BaseExpression]:
 def loader_value(trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> Value | None:
     """The loader `expr` holds, following `it = iter(loader)` bindings the flow does not model."""
     value = trace.value(expr, step)
-    if value is not None and value.kind == flow.LOADER:
+    if value is not None and value.kind == kinds.LOADER:
         return value
-    if depth < MAX_DEPTH and value is not None and value.kind == flow.UNKNOWN:
+    if depth < MAX_DEPTH and value is not None and value.kind == kinds.UNKNOWN:
         bound = bound_expression(value)
         if bound is not None:
             for inner in drawn_from(bound):

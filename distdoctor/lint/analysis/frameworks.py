@@ -1,0 +1,49 @@
+"""One table of the names distdoctor knows: distributed APIs by qualified name, and the training
+frameworks that take over part of the work (device selection, `set_epoch`, sharding loaders), so
+that a rule about that work stays silent in a script driven by one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Distributed APIs, by the qualified name `names.ImportTable` resolves them to.
+DDP = "torch.nn.parallel.DistributedDataParallel"
+SAMPLER_QUALS = ("torch.utils.data.DistributedSampler",)
+LOADER_QUALS = ("torch.utils.data.DataLoader",)
+DDP_QUALS = (DDP,)
+FSDP_PREFIX = "torch.distributed.fsdp"
+CONVERT_SYNCBN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm",)
+HOROVOD_INIT = "horovod.torch.init"
+HVD_OPTIMIZER = "horovod.torch.DistributedOptimizer"
+DATALOADER = "torch.utils.data.DataLoader"
+
+
+@dataclass(frozen=True)
+class Framework:
+    """A framework a script may import, and which work it does itself."""
+
+    module: str  # the top-level import name
+    selects_device: bool  # sets the current CUDA device per process (DD003)
+    calls_set_epoch: bool  # gives its samplers the epoch (DD201)
+    shards_loaders: bool  # adds a DistributedSampler or shards loaders itself (DD203)
+    passes_local_rank_flag: bool = False  # its launcher passes `--local_rank` (DD004)
+
+
+FRAMEWORKS = (
+    Framework("accelerate", selects_device=True, calls_set_epoch=True, shards_loaders=True),
+    Framework("lightning", selects_device=True, calls_set_epoch=True, shards_loaders=True),
+    Framework("pytorch_lightning", selects_device=True, calls_set_epoch=True, shards_loaders=True),
+    Framework("composer", selects_device=True, calls_set_epoch=True, shards_loaders=True),
+    Framework("ignite", selects_device=True, calls_set_epoch=True, shards_loaders=True),
+    Framework("deepspeed", selects_device=True, calls_set_epoch=False, shards_loaders=True, passes_local_rank_flag=True),
+    Framework("colossalai", selects_device=True, calls_set_epoch=False, shards_loaders=True),
+    Framework("fabric", selects_device=True, calls_set_epoch=False, shards_loaders=True),
+    Framework("ray", selects_device=False, calls_set_epoch=False, shards_loaders=True),
+    Framework("mmengine", selects_device=False, calls_set_epoch=False, shards_loaders=True),
+    Framework("mmcv", selects_device=False, calls_set_epoch=False, shards_loaders=True),
+    Framework("detectron2", selects_device=False, calls_set_epoch=False, shards_loaders=True),
+)
+SELECTS_DEVICE = tuple(f.module for f in FRAMEWORKS if f.selects_device)
+CALLS_SET_EPOCH = tuple(f.module for f in FRAMEWORKS if f.calls_set_epoch)
+SHARDS_LOADERS = tuple(f.module for f in FRAMEWORKS if f.shards_loaders)
+PASSES_LOCAL_RANK_FLAG = tuple(f.module for f in FRAMEWORKS if f.passes_local_rank_flag)

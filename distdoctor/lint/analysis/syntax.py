@@ -1,0 +1,160 @@
+"""Syntax helpers every analysis and rule shares: a fast walk over code nodes, the calls of a
+statement in evaluation order, arguments by position or keyword, literal values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import libcst as cst
+
+
+def const_value(node: cst.BaseExpression) -> tuple[bool, Any]:
+    if isinstance(node, cst.Integer):
+        return True, int(node.value, 0) if node.value.isdigit() else node.evaluated_value
+    if isinstance(node, cst.Float):
+        return True, node.evaluated_value
+    if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+        return True, {"True": True, "False": False, "None": None}[node.value]
+    if isinstance(node, cst.SimpleString):
+        return True, node.evaluated_value
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+        known, value = const_value(node.expression)
+        if known and isinstance(value, (int, float)):
+            return True, -value
+    return False, None
+
+
+def keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
+    """The expression passed as keyword `name`, if any."""
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == name:
+            return arg.value
+    return None
+
+
+def argument(call: cst.Call, position: int, name: str) -> cst.BaseExpression | None:
+    """An argument given by position or by keyword."""
+    value = keyword(call, name)
+    if value is not None:
+        return value
+    positional = [arg for arg in call.args if arg.keyword is None and not arg.star]
+    return positional[position].value if position < len(positional) else None
+
+
+def arg_node(call: cst.Call, expr: cst.BaseExpression) -> cst.CSTNode:
+    """The `Arg` of `call` that holds `expr` (what a finding about that argument points at, and
+    what a fix rewrites), or the call itself when `expr` is not one of its arguments."""
+    for arg in call.args:
+        if arg.value is expr:
+            return arg
+    return call
+
+
+# Fields that hold only layout (whitespace, commas, parentheses, blank lines): never code.
+_LAYOUT_FIELDS = frozenset(
+    {
+        "lpar", "rpar", "lbracket", "rbracket", "lbrace", "rbrace", "comma", "semicolon", "colon",
+        "equal", "dot", "star", "leading_lines", "lines_after_decorators", "header", "footer",
+        "trailing_whitespace", "newline", "first_line", "empty_lines", "whitespace_before",
+        "whitespace_after", "whitespace_before_colon", "whitespace_after_colon", "whitespace_before_params",
+        "whitespace_after_def", "whitespace_after_class", "whitespace_after_for", "whitespace_before_in",
+        "whitespace_after_in", "whitespace_after_if", "whitespace_after_with", "whitespace_after_while",
+        "whitespace_after_import", "whitespace_after_from", "whitespace_before_import", "whitespace_after_as",
+        "whitespace_before_as", "whitespace_after_func", "whitespace_before_args", "whitespace_after_arg",
+        "whitespace_after_star", "whitespace_after_param", "whitespace_after_equal", "whitespace_before_equal",
+        "whitespace_after_return", "whitespace_after_lambda", "whitespace_after_await", "whitespace_after_del",
+        "whitespace_after_raise", "whitespace_after_assert", "whitespace_after_global", "whitespace_after_nonlocal",
+        "whitespace_after_except", "whitespace_after_yield", "whitespace_after_indicator", "whitespace_after_test",
+        "whitespace_before_from", "whitespace_after_match", "whitespace_after_case", "whitespace_before_if",
+        "whitespace_after_async", "whitespace_after_at", "whitespace_after_type",
+    }
+)
+
+
+_CODE_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _code_fields(kind: type) -> tuple[str, ...]:
+    fields = _CODE_FIELDS.get(kind)
+    if fields is None:
+        fields = tuple(name for name in kind.__dataclass_fields__ if name not in _LAYOUT_FIELDS)
+        _CODE_FIELDS[kind] = fields
+    return fields
+
+
+def walk(node: cst.CSTNode, skip: tuple[type, ...] = ()) -> Iterator[cst.CSTNode]:
+    """Every code node under `node` (itself included), parents before children, in field order,
+    not descending into nodes of the `skip` types nor into layout (whitespace, commas,
+    parentheses). Much faster than a libcst visitor, which rebuilds every node it passes."""
+    node_type = cst.CSTNode
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        children: list[cst.CSTNode] = []
+        for name in _code_fields(type(current)):
+            value = getattr(current, name)
+            if isinstance(value, (list, tuple)):
+                children.extend(item for item in value if isinstance(item, node_type))
+            elif isinstance(value, node_type):
+                children.append(value)
+        if skip:
+            children = [child for child in children if not isinstance(child, skip)]
+        children.reverse()
+        stack.extend(children)
+
+
+def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
+    """Calls under `node` in evaluation order: arguments (and the receiver) before the call."""
+    out: list[cst.Call] = []
+
+    def visit(current: cst.CSTNode) -> None:
+        for name in _code_fields(type(current)):
+            value = getattr(current, name)
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, cst.CSTNode) and not isinstance(item, _OPAQUE):
+                    visit(item)
+        if isinstance(current, cst.Call):
+            out.append(current)
+
+    visit(node)
+    return out
+
+
+_OPAQUE = (cst.Lambda, cst.FunctionDef, cst.ClassDef)
+
+
+_CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = {}
+
+
+_CALLS_MEMO_LIMIT = 200_000
+
+
+def forget_calls() -> None:
+    """Drop the memo of call lists: it holds nodes, so it would keep every linted tree alive."""
+    _CALLS_MEMO.clear()
+
+
+def own_calls(node: cst.CSTNode) -> list[cst.Call]:
+    """Calls in a statement in evaluation order (arguments before the call), not descending into
+    nested function bodies, lambdas, or the bodies of compound statements. Memoised: every rule
+    asks this of the same steps."""
+    entry = _CALLS_MEMO.get(id(node))
+    if entry is not None and entry[0] is node:
+        return entry[1]
+    if isinstance(node, cst.For):
+        calls = _calls_in_order(node.iter)
+    elif isinstance(node, (cst.While, cst.If)):
+        calls = _calls_in_order(node.test)
+    elif isinstance(node, cst.With):
+        calls = [call for item in node.items for call in _calls_in_order(item)]
+    elif isinstance(node, (cst.Try, cst.TryStar, cst.FunctionDef, cst.ClassDef, cst.Match)):
+        calls = []
+    else:
+        calls = _calls_in_order(node)
+    if len(_CALLS_MEMO) > _CALLS_MEMO_LIMIT:
+        _CALLS_MEMO.clear()
+    _CALLS_MEMO[id(node)] = (node, calls)  # holding the node keeps its id from being reused
+    return calls

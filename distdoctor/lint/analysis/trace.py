@@ -1,0 +1,483 @@
+"""The code path a training script runs, as an ordered list of steps, with what each name holds.
+
+A *trace* linearises one entry point (the module body, or a function nothing in the module calls,
+such as an `mp.spawn` worker or a trainer method): statements in order, loop and `if` bodies once
+each, and calls to functions, methods and constructors of the same module inlined where they are
+made, in evaluation order, so `model = wrap(build(...))` runs `build`, then `wrap`, then binds.
+Every step carries the loops and `if`-conditions around it and the environment before it: an
+immutable map from names (`model`, `self.model`, `args.rank`) to abstract `Value`s such as "a DDP
+wrapper of the module made at line 12" or "the rank, read from the environment".
+
+Rules read traces; they never walk the tree to rebuild this. What cannot be known is `unknown`,
+and rules stay silent on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import libcst as cst
+
+from distdoctor.lint.analysis.evaluate import Evaluator, env_key, lookup
+from distdoctor.lint.analysis.names import ImportTable, dotted
+from distdoctor.lint.analysis.syntax import keyword, own_calls, walk
+from distdoctor.lint.analysis.kinds import (
+    UNKNOWN, LOCAL_RANK, INSTANCE, TUPLE, CONST, Value,
+)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """An enclosing `if`: its test, and whether the step runs when the test is false."""
+
+    test: cst.BaseExpression
+    negated: bool
+    frame: Frame
+
+
+@dataclass(eq=False)
+class Frame:
+    """One execution of a function body (or the module body)."""
+
+    function: cst.FunctionDef | None
+    cls: cst.ClassDef | None
+    parent: Frame | None
+    call: cst.Call | None
+    id: int
+    returns: list[Value | None] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.parent is None else self.parent.depth + 1
+
+    def chain(self) -> Iterator[Frame]:
+        frame: Frame | None = self
+        while frame is not None:
+            yield frame
+            frame = frame.parent
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One statement on the code path (a small statement, or the header of a compound one)."""
+
+    index: int
+    node: cst.CSTNode
+    line: cst.CSTNode  # the whole statement line: what a fix moves, where `# noqa` sits
+    frame: Frame
+    loops: tuple[cst.For | cst.While, ...]
+    guards: tuple[Guard, ...]
+    env: Mapping[Any, Value]
+    block: tuple[cst.CSTNode, int] | None  # (the block's owner, index in its body): for fixes
+    # What the calls of this statement to functions of the module returned (id(call) -> Value):
+    # `lr=scaled_lr(base)` evaluates through the helper's return.
+    results: Mapping[int, Value | None] = field(default_factory=dict)
+
+    def in_loop(self, loop: cst.CSTNode) -> bool:
+        return any(enclosing is loop for enclosing in self.loops)
+
+
+@dataclass
+class Trace:
+    """The steps of one entry point, in execution order."""
+
+    root: cst.CSTNode
+    steps: list[Step]
+    ctx: ModuleInfo
+
+    def value(self, expr: cst.BaseExpression | None, step: Step) -> Value | None:
+        """The abstract value of `expr` evaluated just before `step`."""
+        if expr is None:
+            return None
+        return Evaluator(self.ctx, step.env, step.frame, step.results).eval(expr)
+
+    def calls(self) -> Iterator[tuple[Step, cst.Call]]:
+        """Every call made by a step's own statement (not by inlined callees), in order."""
+        for step in self.steps:
+            for call in own_calls(step.node):
+                yield step, call
+
+
+@dataclass
+class ModuleInfo:
+    """What the module defines: its imports, functions and classes."""
+
+    module: cst.Module
+    imports: ImportTable
+    functions: dict[str, cst.FunctionDef]
+    classes: dict[str, cst.ClassDef]
+    spawn_targets: dict[str, str]  # function name -> how it is started ("spawn")
+
+    @classmethod
+    def of(cls, module: cst.Module, imports: ImportTable, calls: Sequence[cst.Call] | None = None) -> ModuleInfo:
+        functions: dict[str, cst.FunctionDef] = {}
+        classes: dict[str, cst.ClassDef] = {}
+        for stmt in _flat_body(module.body):
+            if isinstance(stmt, cst.FunctionDef):
+                functions[stmt.name.value] = stmt
+            elif isinstance(stmt, cst.ClassDef):
+                classes[stmt.name.value] = stmt
+        info = cls(module, imports, functions, classes, {})
+        finder = _SpawnFinder(info)
+        for node in calls if calls is not None else (n for n in walk(module) if isinstance(n, cst.Call)):
+            finder.visit_Call(node)
+        return info
+
+    def methods(self, cls_node: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+        return {
+            stmt.name.value: stmt
+            for stmt in _flat_body(cls_node.body.body)
+            if isinstance(stmt, cst.FunctionDef)
+        }
+
+    def qualname(self, node: cst.CSTNode) -> str | None:
+        return self.imports.qualname(node)
+
+
+def _flat_body(body: Sequence[cst.CSTNode]) -> Iterator[cst.CSTNode]:
+    """Statements of a block, looking through `if`/`try` at module level (guarded imports, defs)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, cst.If) and _is_main_guard(stmt.test):
+            continue
+        if isinstance(stmt, (cst.If, cst.Try)):
+            yield from _flat_body(stmt.body.body)
+
+
+def _is_main_guard(test: cst.BaseExpression) -> bool:
+    return (
+        isinstance(test, cst.Comparison)
+        and isinstance(test.left, cst.Name)
+        and test.left.value == "__name__"
+    )
+
+
+class _SpawnFinder:
+    """Functions started as worker processes: `mp.spawn(fn, ...)`, `Process(target=fn)`."""
+
+    def __init__(self, info: ModuleInfo) -> None:
+        self.info = info
+
+    def visit_Call(self, node: cst.Call) -> None:
+        qual = self.info.qualname(node.func) or ""
+        name = qual.rsplit(".", 1)[-1]
+        if qual in ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes") or (
+            name == "spawn" and qual.startswith("torch")
+        ):
+            if node.args and isinstance(node.args[0].value, cst.Name):
+                self.info.spawn_targets[node.args[0].value.value] = "spawn"
+
+
+MAX_DEPTH = 6
+
+
+MAX_STEPS = 20000
+
+
+_TERMINATORS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
+
+
+class _Builder:
+    def __init__(self, ctx: ModuleInfo) -> None:
+        self.ctx = ctx
+        self.steps: list[Step] = []
+        self.env: dict[Any, Value] = {}
+        self.frame_ids = itertools.count()
+        self.inlined: set[int] = set()  # id() of function defs entered
+
+    # statements ------------------------------------------------------------------------------
+    def run_block(
+        self,
+        owner: cst.CSTNode,
+        body: Sequence[cst.CSTNode],
+        frame: Frame,
+        loops: tuple,
+        guards: tuple[Guard, ...],
+    ) -> None:
+        guards = tuple(guards)
+        for index, stmt in enumerate(body):
+            if len(self.steps) > MAX_STEPS:
+                return
+            self.run_statement(stmt, frame, loops, guards, (owner, index))
+            # `if rank != 0: return` guards everything after it in the block.
+            if isinstance(stmt, cst.If) and stmt.orelse is None and _ends_block(stmt.body.body):
+                guards = (*guards, Guard(stmt.test, True, frame))
+
+    def run_statement(self, stmt, frame, loops, guards, block) -> None:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                self.run_small(small, stmt, frame, loops, guards, block)
+        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            key = env_key(stmt.name, frame)
+            if key is not None and frame.depth > 0:
+                self.env[key] = Value("def", stmt)
+        elif isinstance(stmt, cst.If):
+            self.emit(stmt, stmt, frame, loops, guards, block)
+            before = self.env
+            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame)))
+            orelse = stmt.orelse
+            negated = (*guards, Guard(stmt.test, True, frame))
+            if orelse is not None:
+                after_body = self.env
+                self.env = before  # the other branch starts from the state before the `if`
+                if isinstance(orelse, cst.If):
+                    self.run_statement(orelse, frame, loops, negated, block)
+                else:
+                    self.run_block(orelse, orelse.body.body, frame, loops, negated)
+                self.env = _merge_branches(after_body, self.env)
+        elif isinstance(stmt, (cst.For, cst.While)):
+            self.emit(stmt, stmt, frame, loops, guards, block)
+            if isinstance(stmt, cst.For):
+                self.bind_target(stmt.target, self.iter_item(stmt.iter, frame), frame)
+            self.run_block(stmt, stmt.body.body, frame, (*loops, stmt), guards)
+            if stmt.orelse is not None:
+                self.run_block(stmt.orelse, stmt.orelse.body.body, frame, loops, guards)
+        elif isinstance(stmt, cst.With):
+            self.emit(stmt, stmt, frame, loops, guards, block)
+            for item in stmt.items:
+                if item.asname is not None:
+                    self.bind_target(item.asname.name, self.evaluate(item.item, frame, {}), frame)
+            self.run_block(stmt, stmt.body.body, frame, loops, guards)
+        elif isinstance(stmt, (cst.Try, cst.TryStar)):
+            self.emit(stmt, stmt, frame, loops, guards, block)
+            self.run_block(stmt, stmt.body.body, frame, loops, guards)
+            for handler in stmt.handlers:
+                self.run_block(handler, handler.body.body, frame, loops, guards)
+            if stmt.orelse is not None:
+                self.run_block(stmt.orelse, stmt.orelse.body.body, frame, loops, guards)
+            if stmt.finalbody is not None:
+                self.run_block(stmt.finalbody, stmt.finalbody.body.body, frame, loops, guards)
+        elif isinstance(stmt, cst.Match):
+            self.emit(stmt, stmt, frame, loops, guards, block)
+            for case in stmt.cases:
+                self.run_block(case, case.body.body, frame, loops, guards)
+
+    def run_small(self, small, line, frame, loops, guards, block) -> None:
+        results = self.inline_calls(small, frame, loops, guards)
+        self.emit(small, line, frame, loops, guards, block, results)
+        if isinstance(small, cst.Assign):
+            value = self.evaluate(small.value, frame, results)
+            for target in small.targets:
+                self.bind_target(target.target, value, frame, small)
+        elif isinstance(small, cst.AnnAssign) and small.value is not None:
+            self.bind_target(small.target, self.evaluate(small.value, frame, results), frame, small)
+        elif isinstance(small, cst.AugAssign):
+            key = env_key(small.target, frame)
+            if key is not None:
+                old = lookup(self.env, dotted(small.target) or "", frame)
+                new = self.evaluate(cst.BinaryOperation(small.target, _aug_to_bin(small.operator), small.value), frame, results)
+                self.env = {**self.env, key: new or old or Value(UNKNOWN, small)}
+        elif isinstance(small, cst.Return):
+            frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
+
+    def emit(self, node, line, frame, loops, guards, block, results=None) -> None:
+        self.steps.append(Step(len(self.steps), node, line, frame, loops, guards, self.env, block, results or {}))
+
+    def evaluate(self, expr, frame, results) -> Value | None:
+        return Evaluator(self.ctx, self.env, frame, results).eval(expr)
+
+    def iter_item(self, iterable: cst.BaseExpression, frame: Frame) -> Value | None:
+        # `for x in loader`, `enumerate(loader)`, `tqdm(loader)`: the loop draws from the loader.
+        inner = iterable
+        while isinstance(inner, cst.Call) and inner.args and dotted(inner.func) in (
+            "enumerate", "tqdm", "tqdm.tqdm", "iter", "zip",
+        ):
+            inner = inner.args[0].value
+        value = self.evaluate(inner, frame, {})
+        return None if value is None else Value("item_of", iterable, inner=value)
+
+    def bind_target(self, target, value, frame, node=None) -> None:
+        if isinstance(target, (cst.Tuple, cst.List)):
+            items = value.items if value is not None and value.kind == TUPLE else ()
+            for index, element in enumerate(target.elements):
+                item = items[index] if index < len(items) else None
+                self.bind_target(element.value, item, frame, node)
+            return
+        key = env_key(target, frame)
+        if key is None:
+            return
+        if value is None:
+            value = Value(UNKNOWN, node or target)
+        if not value.name and (text := dotted(target)):
+            value = replace(value, name=text)
+        self.env = {**self.env, key: value}
+
+    # calls -----------------------------------------------------------------------------------
+    def inline_calls(self, small, frame, loops, guards) -> dict[int, Value | None]:
+        results: dict[int, Value | None] = {}
+        for call in own_calls(small):
+            target = self.resolve_callee(call, frame, results)
+            if target is None:
+                continue
+            if isinstance(target, _NoBody):
+                results[id(call)] = target.value
+                continue
+            function, cls, self_value, skip_first = target
+            results[id(call)] = self.enter(function, cls, self_value, call, frame, loops, guards, results, skip_first)
+        return results
+
+    def resolve_callee(self, call: cst.Call, frame: Frame, results):
+        """The function of this module a call runs, with its class and `self`, if knowable."""
+        func = call.func
+        qual = self.ctx.qualname(func)
+        if qual is not None:
+            if qual.endswith("multiprocessing.spawn") and call.args and isinstance(call.args[0].value, cst.Name):
+                worker = self.ctx.functions.get(call.args[0].value.value)
+                if worker is not None:
+                    return worker, None, None, "spawn"
+            return None
+        if isinstance(func, cst.Name):
+            local = lookup(self.env, func.value, frame)
+            if local is not None and local.kind == "def" and isinstance(local.node, cst.FunctionDef):
+                return local.node, None, None, False
+            if func.value in self.ctx.functions:
+                return self.ctx.functions[func.value], None, None, False
+            if func.value in self.ctx.classes:
+                cls = self.ctx.classes[func.value]
+                instance = Value(INSTANCE, call, attrs={"class": func.value}, name=func.value)
+                init = self.ctx.methods(cls).get("__init__")
+                if init is None:
+                    return _NoBody(instance)
+                return init, cls, instance, True
+            return None
+        if isinstance(func, cst.Attribute):
+            receiver_text = dotted(func.value)
+            method = func.attr.value
+            if receiver_text == "self" and frame.cls is not None:
+                function = self.ctx.methods(frame.cls).get(method)
+                if function is not None:
+                    return function, frame.cls, None, True
+                return None
+            receiver = self.evaluate(func.value, frame, results)
+            if receiver is not None and receiver.kind == INSTANCE:
+                cls = self.ctx.classes.get(receiver.attrs.get("class", ""))
+                if cls is not None and method in self.ctx.methods(cls):
+                    return self.ctx.methods(cls)[method], cls, receiver, True
+        return None
+
+    def enter(self, function, cls, self_value, call, caller, loops, guards, results, skip_first):
+        if id(function) in {id(f.function) for f in caller.chain()} or caller.depth >= MAX_DEPTH:
+            return self_value
+        self.inlined.add(id(function))
+        frame = Frame(function, cls, caller, call, next(self.frame_ids))
+        self.bind_params(function, call, frame, caller, results, skip_first)
+        self.run_block(function, function.body.body, frame, loops, guards)
+        if self_value is not None and function.name.value == "__init__":
+            return self_value
+        returns = [value for value in frame.returns if value is not None and value.kind != UNKNOWN]
+        return returns[-1] if returns else None
+
+    def bind_params(self, function, call, frame, caller, results, skip_first) -> None:
+        params = list(function.params.params)
+        if skip_first == "spawn":
+            # mp.spawn(fn, args=(a, b)): fn(index, a, b); the index is the local rank.
+            if params:
+                self.env = {**self.env, ("local", frame.id, params[0].name.value): Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)}
+            extra = keyword(call, "args")
+            passed = []
+            if isinstance(extra, cst.Tuple):
+                passed = [self.evaluate(el.value, caller, results) for el in extra.elements]
+            for param, value in zip(params[1:], passed):
+                if value is not None:
+                    self.env = {**self.env, ("local", frame.id, param.name.value): value}
+            return
+        if skip_first and params:
+            params = params[1:]
+        positional = [arg for arg in call.args if arg.keyword is None and not arg.star]
+        for param, arg in zip(params, positional):
+            value = self.evaluate(arg.value, caller, results)
+            if value is not None:
+                self.env = {**self.env, ("local", frame.id, param.name.value): value}
+        by_name = {param.name.value for param in [*function.params.params, *function.params.kwonly_params]}
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value in by_name:
+                value = self.evaluate(arg.value, caller, results)
+                if value is not None:
+                    self.env = {**self.env, ("local", frame.id, arg.keyword.value): value}
+
+
+@dataclass(frozen=True)
+class _NoBody:
+    value: Value
+
+
+def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> dict[Any, Value]:
+    """The state after an if/else: where the branches disagree, keep the value that says more
+    about distributed training (`master = rank == 0` in one branch, `master = True` in the
+    other, is a rank test), else the first branch's."""
+    merged = dict(second)
+    for key, value in first.items():
+        other = second.get(key)
+        if other is None or other is value:
+            merged[key] = value
+        elif value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST):
+            merged[key] = other
+        else:
+            merged[key] = value
+    return merged
+
+
+def _ends_block(body: Sequence[cst.CSTNode]) -> bool:
+    if not body:
+        return False
+    last = body[-1]
+    return isinstance(last, cst.SimpleStatementLine) and any(isinstance(s, _TERMINATORS) for s in last.body)
+
+
+def _aug_to_bin(op: cst.BaseAugOp) -> cst.BaseBinaryOp:
+    mapping = {
+        cst.AddAssign: cst.Add,
+        cst.SubtractAssign: cst.Subtract,
+        cst.MultiplyAssign: cst.Multiply,
+        cst.DivideAssign: cst.Divide,
+        cst.FloorDivideAssign: cst.FloorDivide,
+        cst.ModuloAssign: cst.Modulo,
+    }
+    return mapping.get(type(op), cst.Add)()
+
+
+def build_traces(ctx: ModuleInfo) -> list[Trace]:
+    """One trace for the module body, then one for each function or method that nothing on an
+    earlier trace ran (workers started by `mp.spawn`, trainer methods called from elsewhere)."""
+    builder = _Builder(ctx)
+    module_frame = Frame(None, None, None, None, next(builder.frame_ids))
+    builder.run_block(ctx.module, ctx.module.body, module_frame, (), ())
+    traces = [Trace(ctx.module, builder.steps, ctx)]
+    module_env = builder.env
+    reached = set(builder.inlined)
+
+    candidates: list[tuple[cst.FunctionDef, cst.ClassDef | None]] = [
+        (function, None) for function in ctx.functions.values()
+    ]
+    for cls in ctx.classes.values():
+        candidates.extend((method, cls) for method in ctx.methods(cls).values())
+    for function, cls in candidates:
+        if id(function) in reached:
+            continue
+        root = _Builder(ctx)
+        root.env = dict(module_env)
+        root.frame_ids = builder.frame_ids
+        frame = Frame(None, cls, None, None, next(builder.frame_ids))
+        if cls is not None:
+            instance = Value(INSTANCE, cls, attrs={"class": cls.name.value})
+            init = ctx.methods(cls).get("__init__")
+            if init is not None and init is not function:
+                root.enter(init, cls, instance, cst.Call(func=cst.Name("__init__")), frame, (), (), {}, True)
+            fake_call = cst.Call(func=cst.Name(function.name.value))
+            root.enter(function, cls, instance, fake_call, frame, (), (), {}, True)
+        else:
+            spawn = "spawn" if function.name.value in ctx.spawn_targets else False
+            fake_call = cst.Call(func=cst.Name(function.name.value))
+            root.enter(function, None, None, fake_call, frame, (), (), {}, spawn)
+        reached |= root.inlined
+        traces.append(Trace(function, root.steps, ctx))
+    return traces
+
+
+def iter_steps(traces: Sequence[Trace]) -> Iterator[tuple[Trace, Step]]:
+    for trace in traces:
+        for step in trace.steps:
+            yield trace, step
