@@ -343,14 +343,21 @@ def test_prefilter_skips_files_without_distributed_api(monkeypatch):
     assert calls == []
 
 
-def test_lint_never_imports_torch(tree):
+def test_lint_never_imports_torch(tree, tmp_path):
+    # A stub `torch` that fails on import stands first on the path, so the test proves the point
+    # whether or not the real torch is installed here.
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('distdoctor lint imported torch')\n")
     code = (
         "import sys\nfrom distdoctor.cli import main\n"
-        f"try:\n    main(['lint', '--no-cache', {str(tree)!r}])\nexcept SystemExit:\n    pass\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"try:\n    main(['lint', '--no-cache', {str(tree)!r}])\nexcept SystemExit as exit:\n    sys.exit(exit.code)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr  # findings in the tree: the lint ran to its end
+    assert "DD101" in result.stdout
+    assert "imported torch" not in result.stderr
 
 
 def test_pre_commit_hook_entry_runs_on_a_staged_bad_file(tmp_path):
@@ -396,3 +403,18 @@ def test_notebooks_are_linted_cell_by_cell_and_never_rewritten(tmp_path):
     assert [(f["code"], f["line"], f["fix"]) for f in data] == [("DD101", 6, None)]
     assert run("lint", "--no-cache", "--fix", str(notebook)).exit_code == 1
     assert notebook.read_text() == before
+
+
+def test_a_checkout_that_is_not_installed_finds_its_rules():
+    # -S: no site processing, so no installed (editable) distdoctor; libcst and click come in
+    # through PYTHONPATH, which runs no .pth file.
+    import site
+
+    paths = [str(ROOT), *site.getsitepackages()]
+    code = "from distdoctor.lint.rule import all_rules; import distdoctor.probes; print(len(all_rules()))"
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) >= 34
