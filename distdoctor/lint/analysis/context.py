@@ -15,7 +15,8 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.finding import Edit
-from distdoctor.lint.analysis.trace import Frame, Guard, ModuleInfo, Step, Trace, build_traces, iter_steps
+from distdoctor.lint.analysis.scope import Frame, ModuleInfo
+from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import ImportTable, dotted
 

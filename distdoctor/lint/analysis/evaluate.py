@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import libcst as cst
 
@@ -18,9 +18,7 @@ from distdoctor.lint.analysis.kinds import (
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, RANK_TEST, INSTANCE, TUPLE, CONST,
     PARAMS, RANK_NAMES, LOCAL_RANK_NAMES, MAIN_PROCESS_FUNCS, Value, env_value,
 )
-
-if TYPE_CHECKING:
-    from distdoctor.lint.analysis.trace import Frame, ModuleInfo
+from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 
 
 _PASSTHROUGH_METHODS = frozenset({"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_", "share_memory", "to_empty"})

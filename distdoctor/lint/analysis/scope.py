@@ -1,0 +1,106 @@
+"""What the module defines (its functions, classes, imports, spawned workers) and the frames a
+trace runs in: one execution of a function body. Plain facts, read by the evaluator and the trace
+builder alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from distdoctor.lint.analysis.kinds import Value
+from distdoctor.lint.analysis.names import ImportTable
+from distdoctor.lint.analysis.syntax import walk
+
+
+@dataclass(eq=False)
+class Frame:
+    """One execution of a function body (or the module body)."""
+
+    function: cst.FunctionDef | None
+    cls: cst.ClassDef | None
+    parent: Frame | None
+    call: cst.Call | None
+    id: int
+    returns: list[Value | None] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.parent is None else self.parent.depth + 1
+
+    def chain(self) -> Iterator[Frame]:
+        frame: Frame | None = self
+        while frame is not None:
+            yield frame
+            frame = frame.parent
+
+
+@dataclass
+class ModuleInfo:
+    """What the module defines: its imports, functions and classes."""
+
+    module: cst.Module
+    imports: ImportTable
+    functions: dict[str, cst.FunctionDef]
+    classes: dict[str, cst.ClassDef]
+    spawn_targets: dict[str, str]  # function name -> how it is started ("spawn")
+
+    @classmethod
+    def of(cls, module: cst.Module, imports: ImportTable, calls: Sequence[cst.Call] | None = None) -> ModuleInfo:
+        functions: dict[str, cst.FunctionDef] = {}
+        classes: dict[str, cst.ClassDef] = {}
+        for stmt in _flat_body(module.body):
+            if isinstance(stmt, cst.FunctionDef):
+                functions[stmt.name.value] = stmt
+            elif isinstance(stmt, cst.ClassDef):
+                classes[stmt.name.value] = stmt
+        info = cls(module, imports, functions, classes, {})
+        finder = _SpawnFinder(info)
+        for node in calls if calls is not None else (n for n in walk(module) if isinstance(n, cst.Call)):
+            finder.visit_Call(node)
+        return info
+
+    def methods(self, cls_node: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+        return {
+            stmt.name.value: stmt
+            for stmt in _flat_body(cls_node.body.body)
+            if isinstance(stmt, cst.FunctionDef)
+        }
+
+    def qualname(self, node: cst.CSTNode) -> str | None:
+        return self.imports.qualname(node)
+
+
+def _flat_body(body: Sequence[cst.CSTNode]) -> Iterator[cst.CSTNode]:
+    """Statements of a block, looking through `if`/`try` at module level (guarded imports, defs)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, cst.If) and _is_main_guard(stmt.test):
+            continue
+        if isinstance(stmt, (cst.If, cst.Try)):
+            yield from _flat_body(stmt.body.body)
+
+
+def _is_main_guard(test: cst.BaseExpression) -> bool:
+    return (
+        isinstance(test, cst.Comparison)
+        and isinstance(test.left, cst.Name)
+        and test.left.value == "__name__"
+    )
+
+
+class _SpawnFinder:
+    """Functions started as worker processes: `mp.spawn(fn, ...)`, `Process(target=fn)`."""
+
+    def __init__(self, info: ModuleInfo) -> None:
+        self.info = info
+
+    def visit_Call(self, node: cst.Call) -> None:
+        qual = self.info.qualname(node.func) or ""
+        name = qual.rsplit(".", 1)[-1]
+        if qual in ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes") or (
+            name == "spawn" and qual.startswith("torch")
+        ):
+            if node.args and isinstance(node.args[0].value, cst.Name):
+                self.info.spawn_targets[node.args[0].value.value] = "spawn"
