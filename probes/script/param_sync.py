@@ -8,7 +8,7 @@ again, and every rank trains a different model while the loss looks fine.
 Under Horovod, `hvd.broadcast_parameters` takes DDP's place: a divergence at the first step says
 whether the Horovod hooks saw it called.
 Planted faults: fixtures/probe/fault_init_after_wrap.py, fixtures/probe/fault_layer_after_wrap.py,
-fixtures/probe/hvd_no_broadcast.py.
+fixtures/probe/fault_no_ddp.py, fixtures/probe/hvd_no_broadcast.py.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ CHECK = Check(
     faults=(
         'fixtures/probe/fault_init_after_wrap.py',
         'fixtures/probe/fault_layer_after_wrap.py',
+        'fixtures/probe/fault_no_ddp.py',
         'fixtures/probe/hvd_no_broadcast.py',
     ),
     order=0,
