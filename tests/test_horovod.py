@@ -116,6 +116,54 @@ def test_a_horovodrun_launch_names_horovodrun_when_it_fails():
         "horovodrun ran past its wall-clock limit after 15.0 s: every rank was stopped")
 
 
+# --- the Horovod worker's evidence fits the checks, without Horovod -----------------------------
+
+# A stand-in for horovod.torch: each rank trains alone (no collective), enough to run the worker.
+STUB_HOROVOD = textwrap.dedent("""
+    import contextlib, os
+    def init(): pass
+    def rank(): return int(os.environ["STUB_RANK"])
+    def size(): return int(os.environ["STUB_SIZE"])
+    def local_rank(): return rank()
+    def DistributedOptimizer(optimizer, named_parameters=None, **kwargs):
+        optimizer.synchronize = lambda: None
+        optimizer.skip_synchronize = contextlib.nullcontext
+        return optimizer
+    def broadcast_parameters(state, root_rank=0): pass
+    def broadcast_optimizer_state(optimizer, root_rank=0): pass
+""")
+
+
+@pytest.mark.slow
+def test_the_worker_records_what_every_horovod_check_needs(tmp_path):
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+
+    from distdoctor.probe.builtin.horovod import WORKER_MODULE, _read_evidence, judge_builtin
+    from distdoctor.probe.launch.torchrun import LaunchResult
+
+    (tmp_path / "stub" / "horovod" / "torch").mkdir(parents=True)
+    (tmp_path / "stub" / "horovod" / "__init__.py").write_text("__version__ = 'stub'\n")
+    (tmp_path / "stub" / "horovod" / "torch" / "__init__.py").write_text(STUB_HOROVOD)
+    out = tmp_path / "out"
+    out.mkdir()
+    for rank in (0, 1):
+        env = {**os.environ, "STUB_RANK": str(rank), "STUB_SIZE": "2",
+               "PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-m", WORKER_MODULE, "--out", str(out), "--steps", "4", "--fault",
+                        "unscaled-lr"], env=env, check=True, capture_output=True, timeout=120)
+    evidence = _read_evidence(out, 2)
+    results = judge_builtin(evidence, 2, LaunchResult(0, False, False, 1.0, {0: 0, 1: 0}, {}, ""))
+    assert [c.id for c in results] == ["env", "grad-sync", "param-sync", "convergence"]
+    assert all(c.status in ("pass", "fail") for c in results), {c.id: c.summary for c in results}
+    checks = {check.id: check for check in results}
+    # Alone, each rank keeps its own gradient and its own rank-dependent start: the checks say so.
+    assert checks["param-sync"].status == "fail" and "hvd.broadcast_parameters" in checks["param-sync"].summary
+    assert checks["env"].status == "pass" and len(checks["convergence"].details["loss_per_rank"]["0"]) == 4
+    assert evidence[0]["convergence"]["lr"] == 0.02 and evidence[0]["convergence"]["scaled_lr"] == 0.04
+
+
 # --- built-in probe, for real ------------------------------------------------------------------
 
 # Each planted fault and the verdicts it must produce (checks not named may go either way).
