@@ -226,9 +226,26 @@ def test_sampler_verdict_catches_overlapping_shards():
     assert result.status == "fail" and "on no rank" in result.summary and "several ranks" in result.summary
 
 
-def test_without_torch_the_probe_says_so_instead_of_failing_to_launch(monkeypatch):
+@pytest.fixture()
+def no_torch(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(cli_probe.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
-    result = CliRunner().invoke(main, ["probe", "--nproc", "2"])
-    assert result.exit_code == 2
-    assert "torch is not installed" in result.output and "distdoctor[probe]" in result.output
+
+
+def test_without_torch_the_probe_says_so_instead_of_failing_to_launch(no_torch, no_gpus):
+    for args in (["--nproc", "2"], ["train.py"]):
+        result = CliRunner().invoke(main, ["probe", *args])
+        assert result.exit_code == 2
+        assert "torch is not installed" in result.output and "distdoctor[probe]" in result.output
+
+
+def test_usage_errors_come_before_torch_missing(no_torch, no_gpus, monkeypatch):
+    result = invoke("--checks", "bogus")
+    assert result.exit_code == 2 and "bogus" in result.output and "torch is not installed" not in result.output
+    result = invoke("--gpus", "1", "--nproc", "2")
+    assert result.exit_code == 2 and "not both" in result.output
+    monkeypatch.setattr("distdoctor.probe.launch.horovodrun.horovod_missing_reason", lambda: "Horovod is not installed")
+    result = invoke("--framework", "horovod")
+    assert result.exit_code == 2 and "Horovod is not installed" in result.output and "torch is not" not in result.output
+    result = invoke("--framework", "horovod", "--inject", "no-broadcast,unscaled-lr")
+    assert result.exit_code == 2 and "one fault at a time" in result.output

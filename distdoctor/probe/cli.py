@@ -137,7 +137,6 @@ def dispatch(
         if spec.nnodes > 1:
             raise ProbeUnavailable("the Horovod built-in probe runs on one node (horovodrun -np N)")
         _require_torch()
-        # Horovod plants one fault at a time; the first of --inject, if any.
         return module.run_builtin_horovod(nproc=spec.nproc, steps=steps or DEFAULT_SCRIPT_STEPS,
                                           timeout_s=spec.timeout_s, fault=faults[0] if faults else "none",
                                           checks=checks, echo=echo)
@@ -154,6 +153,8 @@ def validate_selection(script: str | None, framework: str, checks: Sequence[str]
     select_checks(probe, framework, checks)
     if faults and script is not None:
         raise CatalogError("--inject plants faults in the built-in probe only; a script's faults are its own")
+    if len(faults) > 1 and framework == "horovod":
+        raise CatalogError("the Horovod built-in probe plants one fault at a time")
     if faults:
         if framework == "horovod":
             from distdoctor.probe.builtin.horovod_worker import FAULTS
