@@ -15,8 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from _probe_helpers import new_marker, wait_for_no_processes
-from distdoctor.probe.builtin import horovod as horovod_probe
 from distdoctor.cli import main as cli
+from distdoctor.probe.builtin import horovod as horovod_probe
+from distdoctor.probe.checks import CatalogError
+from distdoctor.probe.launch import horovodrun
 from distdoctor.probe.launch.torchrun import LaunchSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
@@ -46,7 +48,7 @@ def expected_statuses(path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def no_horovod(monkeypatch):
-    monkeypatch.setattr(horovod_probe, "horovod_missing_reason", lambda: "Horovod is not installed")
+    monkeypatch.setattr(horovodrun, "horovod_missing_reason", lambda: "Horovod is not installed")
 
 
 @pytest.mark.parametrize(
@@ -68,7 +70,7 @@ def test_a_script_that_imports_horovod_is_probed_with_horovod(no_horovod):
 
 
 def test_the_framework_follows_the_script_imports(tmp_path):
-    from distdoctor.probe.script.horovod import script_framework
+    from distdoctor.probe.script.framework import script_framework
 
     for path in HVD_FIXTURES:
         assert script_framework(str(path)) == "horovod", path.name
@@ -78,25 +80,25 @@ def test_the_framework_follows_the_script_imports(tmp_path):
 
 
 def test_without_horovod_the_python_api_raises_a_launch_error(no_horovod):
-    with pytest.raises(horovod_probe.HorovodUnavailable, match="scripts/install-horovod.sh"):
+    with pytest.raises(horovodrun.HorovodUnavailable, match="scripts/install-horovod.sh"):
         horovod_probe.run_builtin_horovod()
 
 
 def test_the_missing_reason_looks_at_files_only(monkeypatch):
-    monkeypatch.setattr(horovod_probe.importlib.util, "find_spec", lambda name: None)
-    assert horovod_probe.horovod_missing_reason() == "Horovod is not installed"
+    monkeypatch.setattr(horovodrun.importlib.util, "find_spec", lambda name: None)
+    assert horovodrun.horovod_missing_reason() == "Horovod is not installed"
 
 
 def test_unknown_fault_and_check_are_usage_errors():
-    with pytest.raises(horovod_probe.LaunchError, match="unknown Horovod fault"):
+    with pytest.raises(CatalogError, match="unknown fault.* no-such-fault for the Horovod built-in probe"):
         horovod_probe.run_builtin_horovod(fault="no-such-fault")
-    with pytest.raises(horovod_probe.LaunchError, match="no Horovod check syncbn"):
+    with pytest.raises(CatalogError, match="unknown check.* syncbn for the Horovod built-in probe"):
         horovod_probe.run_builtin_horovod(checks=["syncbn"])
 
 
 def test_the_horovodrun_command_is_one_a_user_can_run(monkeypatch):
-    monkeypatch.setattr(horovod_probe, "horovodrun_path", lambda: "/usr/bin/horovodrun")
-    cmd = horovod_probe.horovodrun_command(2, ["train.py", "--lr", "0.1"])
+    monkeypatch.setattr(horovodrun, "horovodrun_path", lambda: "/usr/bin/horovodrun")
+    cmd = horovodrun.horovodrun_command(2, ["train.py", "--lr", "0.1"])
     assert cmd[:6] == ["/usr/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
     assert cmd[-4:] == [sys.executable, "train.py", "--lr", "0.1"]
 
@@ -112,6 +114,54 @@ def test_a_horovodrun_launch_names_horovodrun_when_it_fails():
         "horovodrun failed: rank 1 exited with signal 9 (SIGKILL)")
     assert LaunchResult(**{**base, "timed_out": True}).failure_message() == (
         "horovodrun ran past its wall-clock limit after 15.0 s: every rank was stopped")
+
+
+# --- the Horovod worker's evidence fits the checks, without Horovod -----------------------------
+
+# A stand-in for horovod.torch: each rank trains alone (no collective), enough to run the worker.
+STUB_HOROVOD = textwrap.dedent("""
+    import contextlib, os
+    def init(): pass
+    def rank(): return int(os.environ["STUB_RANK"])
+    def size(): return int(os.environ["STUB_SIZE"])
+    def local_rank(): return rank()
+    def DistributedOptimizer(optimizer, named_parameters=None, **kwargs):
+        optimizer.synchronize = lambda: None
+        optimizer.skip_synchronize = contextlib.nullcontext
+        return optimizer
+    def broadcast_parameters(state, root_rank=0): pass
+    def broadcast_optimizer_state(optimizer, root_rank=0): pass
+""")
+
+
+@pytest.mark.slow
+def test_the_worker_records_what_every_horovod_check_needs(tmp_path):
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+
+    from distdoctor.probe.builtin.horovod import WORKER_MODULE, _read_evidence, judge_builtin
+    from distdoctor.probe.launch.torchrun import LaunchResult
+
+    (tmp_path / "stub" / "horovod" / "torch").mkdir(parents=True)
+    (tmp_path / "stub" / "horovod" / "__init__.py").write_text("__version__ = 'stub'\n")
+    (tmp_path / "stub" / "horovod" / "torch" / "__init__.py").write_text(STUB_HOROVOD)
+    out = tmp_path / "out"
+    out.mkdir()
+    for rank in (0, 1):
+        env = {**os.environ, "STUB_RANK": str(rank), "STUB_SIZE": "2",
+               "PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-m", WORKER_MODULE, "--out", str(out), "--steps", "4", "--fault",
+                        "unscaled-lr"], env=env, check=True, capture_output=True, timeout=120)
+    evidence = _read_evidence(out, 2)
+    results = judge_builtin(evidence, 2, LaunchResult(0, False, False, 1.0, {0: 0, 1: 0}, {}, ""))
+    assert [c.id for c in results] == ["env", "grad-sync", "param-sync", "convergence"]
+    assert all(c.status in ("pass", "fail") for c in results), {c.id: c.summary for c in results}
+    checks = {check.id: check for check in results}
+    # Alone, each rank keeps its own gradient and its own rank-dependent start: the checks say so.
+    assert checks["param-sync"].status == "fail" and "hvd.broadcast_parameters" in checks["param-sync"].summary
+    assert checks["env"].status == "pass" and len(checks["convergence"].details["loss_per_rank"]["0"]) == 4
+    assert evidence[0]["convergence"]["lr"] == 0.02 and evidence[0]["convergence"]["scaled_lr"] == 0.04
 
 
 # --- built-in probe, for real ------------------------------------------------------------------
@@ -200,7 +250,7 @@ def test_a_stalled_rank_is_stopped_with_everything_horovodrun_started(horovod, t
         hvd.allreduce(torch.ones(3))
     """))
     marker = new_marker()
-    result = horovod_probe.launch_horovod(2, [str(script)], timeout_s=15,
+    result = horovodrun.launch_horovod(2, [str(script)], timeout_s=15,
                                           env={"DISTDOCTOR_TEST_MARKER": marker,
                                                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"})
     assert result.timed_out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ from distdoctor.probe import cli as cli_probe
 from distdoctor.cli import main
 from distdoctor.probe.render import render_text
 from distdoctor.probe.report import CheckResult, Report
-from distdoctor.probes import bandwidth, env, sampler
+from distdoctor.probe.checks import Evidence
+from distdoctor.probes.builtin import bandwidth, env, sampler
 
 PASSING = CheckResult("grad-sync", "pass", "equal across 2 ranks", {"0": {"max_abs_diff_vs_reference": 1e-8}, "1": {}})
 FAILING = CheckResult("param-sync", "fail", "parameters differ across ranks after step 1: rank 1 differs",
@@ -50,9 +52,22 @@ def invoke(*args: str):
     return CliRunner().invoke(main, ["probe", *args])
 
 
-def test_the_cli_module_does_not_import_torch():
-    code = "import sys, distdoctor.cli, distdoctor.probe.cli, distdoctor.probe.builtin.launcher; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+def test_the_cli_and_launcher_modules_do_not_import_torch(tmp_path):
+    # A torch that raises on import proves it whether or not torch is installed here.
+    stub = tmp_path / "torch"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("raise ImportError('distdoctor imported torch')\n")
+    code = ("import sys, distdoctor.cli, distdoctor.probe.cli, distdoctor.probe.builtin.launcher, "
+            "distdoctor.probe.builtin.horovod, distdoctor.probe.script.launcher, distdoctor.probe.plots\n"
+            "from distdoctor.probe.checks import all_checks\n"
+            "assert len(all_checks()) > 10\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    broken = subprocess.run([sys.executable, "-c", "import distdoctor.probe.builtin.rank"], capture_output=True,
+                            text=True, env=env)
+    assert "distdoctor imported torch" in broken.stderr  # the stub is the torch that gets imported
 
 
 def test_default_without_gpu_is_two_gloo_ranks(dispatched):
@@ -103,6 +118,28 @@ def test_gpus_and_nproc_together_are_a_usage_error(dispatched):
 def test_unknown_check_is_a_usage_error(dispatched):
     result = invoke("--checks", "env,bogus")
     assert result.exit_code == 2 and "bogus" in result.output and not dispatched.calls
+    assert "env, collectives, bandwidth" in result.output  # the ids it knows
+
+
+def test_unknown_script_check_is_a_usage_error_before_anything_runs(dispatched, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    result = invoke(str(script), "--checks", "grad-sync,bogus")
+    assert result.exit_code == 2 and not dispatched.calls
+    assert "unknown check(s) bogus for the script probe" in result.output and "epoch-shuffle" in result.output
+    assert invoke(str(script), "--checks", "syncbn").exit_code == 2  # a built-in check, not a script one
+    assert invoke(str(script), "--checks", "grad-sync,desync").exit_code == 0
+    assert dispatched.calls[-1]["checks"] == ["grad-sync", "desync"]
+
+
+def test_horovod_checks_and_faults_are_validated_like_the_others(dispatched):
+    result = invoke("--framework", "horovod", "--checks", "syncbn")
+    assert result.exit_code == 2 and "Horovod built-in probe" in result.output and not dispatched.calls
+    result = invoke("--framework", "horovod", "--inject", "no-set-epoch")
+    assert result.exit_code == 2 and "unknown fault(s) no-set-epoch" in result.output
+    assert invoke("--framework", "horovod", "--inject", "unscaled-lr").exit_code == 0
+    assert invoke("--inject", "unscaled-lr").exit_code == 2  # a Horovod fault, not a torchrun one
+    assert invoke("train.py", "--inject", "rank-init").exit_code == 2  # nothing to plant in a script
 
 
 def test_exit_status_follows_the_checks(dispatched):
@@ -158,40 +195,57 @@ def _env_rank(host: str, device: str, uuid: str | None, **extra) -> dict:
 
 
 def test_env_fails_when_two_ranks_share_one_gpu():
-    shared = env.verdict({0: _env_rank("a", "cuda:0", "GPU-1"), 1: _env_rank("a", "cuda:0", "GPU-1")}, 2)
+    shared = env.verdict(Evidence({0: _env_rank("a", "cuda:0", "GPU-1"), 1: _env_rank("a", "cuda:0", "GPU-1")}, 2))
     assert shared.status == "fail" and "ranks 0, 1 share one GPU" in shared.summary
-    apart = env.verdict({0: _env_rank("a", "cuda:0", "GPU-1"), 1: _env_rank("b", "cuda:0", "GPU-2")}, 2)
+    apart = env.verdict(Evidence({0: _env_rank("a", "cuda:0", "GPU-1"), 1: _env_rank("b", "cuda:0", "GPU-2")}, 2))
     assert apart.status == "pass"
 
 
 def test_env_fails_on_mixed_builds_and_warns_on_disabled_transports():
-    mixed = env.verdict({0: _env_rank("a", "cuda:0", "1"), 1: _env_rank("a", "cuda:1", "2", torch="2.4.0")}, 2)
+    mixed = env.verdict(Evidence({0: _env_rank("a", "cuda:0", "1"), 1: _env_rank("a", "cuda:1", "2", torch="2.4.0")}, 2))
     assert mixed.status == "fail" and "different torch versions" in mixed.summary
-    slow = env.verdict({0: _env_rank("a", "cuda:0", "1", nccl_env={"NCCL_P2P_DISABLE": "1"}),
-                        1: _env_rank("a", "cuda:1", "2")}, 2)
+    slow = env.verdict(Evidence({0: _env_rank("a", "cuda:0", "1", nccl_env={"NCCL_P2P_DISABLE": "1"}),
+                                 1: _env_rank("a", "cuda:1", "2")}, 2))
     assert slow.status == "warn" and "NCCL_P2P_DISABLE=1" in slow.summary
 
 
 def test_bandwidth_uses_the_nccl_tests_bus_factor_and_warns_when_absurd():
     assert bandwidth.bus_factor(2) == 1.0 and bandwidth.bus_factor(8) == pytest.approx(1.75)
     rows = lambda us: {"sizes": [{"bytes": 1 << 20, "time_us": us}]}  # noqa: E731
-    fast = bandwidth.verdict({r: rows(100.0) for r in range(8)}, 8)
+    fast = bandwidth.verdict(Evidence({r: rows(100.0) for r in range(8)}, 8))
     assert fast.status == "pass"
     assert fast.details["sizes"][0]["busbw_GBps"] == pytest.approx((1 << 20) / 100e-6 / 1e9 * 1.75, rel=1e-3)
-    slow = bandwidth.verdict({0: rows(100.0), 1: rows(1e6)}, 2)  # the slowest rank sets the time
+    slow = bandwidth.verdict(Evidence({0: rows(100.0), 1: rows(1e6)}, 2))  # the slowest rank sets the time
     assert slow.status == "warn"
 
 
 def test_sampler_verdict_catches_overlapping_shards():
     size = sampler.dataset_size(2)
     overlap = {r: {"epochs": [list(range(size // 2 + 1)), list(range(size // 2 + 1))[::-1]]} for r in (0, 1)}
-    result = sampler.verdict(overlap, 2)
+    result = sampler.verdict(Evidence(overlap, 2))
     assert result.status == "fail" and "on no rank" in result.summary and "several ranks" in result.summary
 
 
-def test_without_torch_the_probe_says_so_instead_of_failing_to_launch(monkeypatch):
+@pytest.fixture()
+def no_torch(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(cli_probe.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
-    result = CliRunner().invoke(main, ["probe", "--nproc", "2"])
-    assert result.exit_code == 2
-    assert "torch is not installed" in result.output and "distdoctor[probe]" in result.output
+
+
+def test_without_torch_the_probe_says_so_instead_of_failing_to_launch(no_torch, no_gpus):
+    for args in (["--nproc", "2"], ["train.py"]):
+        result = CliRunner().invoke(main, ["probe", *args])
+        assert result.exit_code == 2
+        assert "torch is not installed" in result.output and "distdoctor[probe]" in result.output
+
+
+def test_usage_errors_come_before_torch_missing(no_torch, no_gpus, monkeypatch):
+    result = invoke("--checks", "bogus")
+    assert result.exit_code == 2 and "bogus" in result.output and "torch is not installed" not in result.output
+    result = invoke("--gpus", "1", "--nproc", "2")
+    assert result.exit_code == 2 and "not both" in result.output
+    monkeypatch.setattr("distdoctor.probe.launch.horovodrun.horovod_missing_reason", lambda: "Horovod is not installed")
+    result = invoke("--framework", "horovod")
+    assert result.exit_code == 2 and "Horovod is not installed" in result.output and "torch is not" not in result.output
+    result = invoke("--framework", "horovod", "--inject", "no-broadcast,unscaled-lr")
+    assert result.exit_code == 2 and "one fault at a time" in result.output

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-
-from distdoctor.probe.launch.torchrun import LaunchSpec  # noqa: E402
-from distdoctor.probe.script.launcher import CHECK_IDS, run_script_probe  # noqa: E402
+from distdoctor.probe.checks import checks_of
+from distdoctor.probe.launch.torchrun import LaunchSpec
+from distdoctor.probe.script.launcher import run_script_probe
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "probe"
 STEPS = 12
+CHECK_IDS = tuple(check.id for check in checks_of("script", "torch"))
 _EXPECT = re.compile(r"(?P<id>[\w-]+)=(?P<status>pass|fail|warn|skip|error)(?:\((?P<detail>[^)]*)\))?")
 
 
@@ -44,6 +44,7 @@ def expectations(path: Path) -> dict[str, tuple[str, dict[str, str]]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", _script_fixtures(), ids=lambda p: p.stem)
 def test_fixture_verdicts(fixture: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
     expected = expectations(fixture)
     assert set(expected) <= set(CHECK_IDS)
     spec = LaunchSpec(nproc=2, backend="gloo", timeout_s=90.0)

@@ -13,10 +13,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 
 import click
 
+from distdoctor.probe.checks import CatalogError, select_checks, select_faults
 from distdoctor.probe.launch.torchrun import LaunchError, LaunchSpec
 from distdoctor.probe.report import Report
 
@@ -97,6 +97,15 @@ def _optional_module(name: str, what: str):
         raise ProbeUnavailable(f"{what} is not available in this distdoctor installation ({name} is missing)") from None
 
 
+def _require_torch() -> None:
+    if importlib.util.find_spec("torch") is None:
+        # Checked without importing torch: otherwise torchrun itself fails to start.
+        raise ProbeUnavailable(
+            "torch is not installed in this environment: the probe launches real trainings. "
+            "Install torch for your platform, then `pip install 'distdoctor[probe]'`"
+        )
+
+
 def dispatch(
     script: str | None,
     script_args: Sequence[str],
@@ -109,35 +118,49 @@ def dispatch(
     log_file: str | None,
     echo: bool,
 ) -> Report:
-    """Run the probe the options select: a user's script, the Horovod built-in, or the torch built-in."""
-    if importlib.util.find_spec("torch") is None:
-        # Checked here, without importing torch: otherwise torchrun itself fails to start.
-        raise ProbeUnavailable(
-            "torch is not installed in this environment: the probe launches real trainings. "
-            "Install torch for your platform, then `pip install 'distdoctor[probe]'`"
-        )
+    """Run the probe the options select: a user's script, the Horovod built-in, or the torch built-in.
+
+    What the user asked for is refused first (Horovod, a probe module, several nodes where one is
+    the limit), torch's absence last: the most specific reason wins.
+    """
     if framework == "horovod":
-        from distdoctor.probe.builtin.horovod import require_horovod
+        from distdoctor.probe.launch.horovodrun import require_horovod
 
         require_horovod()  # HorovodUnavailable names scripts/install-horovod.sh (exit 2)
     if script is not None:
         module = _optional_module("distdoctor.probe.script.launcher", "the script probe")
-        report = module.run_script_probe(script, list(script_args), spec, steps=steps or DEFAULT_SCRIPT_STEPS,
-                                         framework=framework, log_file=log_file)
-        if checks:  # the script probe runs all its checks; show the ones asked for
-            report = replace(report, checks=tuple(c for c in report.checks if c.id in checks or c.id == "launch"))
-        return report
+        _require_torch()
+        return module.run_script_probe(script, list(script_args), spec, steps=steps or DEFAULT_SCRIPT_STEPS,
+                                       framework=framework, checks=checks, log_file=log_file)
     if framework == "horovod":
         module = _optional_module("distdoctor.probe.builtin.horovod", "the Horovod built-in probe")
         if spec.nnodes > 1:
             raise ProbeUnavailable("the Horovod built-in probe runs on one node (horovodrun -np N)")
-        # Horovod plants one fault at a time; the first of --inject, if any.
+        _require_torch()
         return module.run_builtin_horovod(nproc=spec.nproc, steps=steps or DEFAULT_SCRIPT_STEPS,
                                           timeout_s=spec.timeout_s, fault=faults[0] if faults else "none",
                                           checks=checks, echo=echo)
-    from distdoctor.probe.builtin.launcher import DEFAULT_STEPS, run_builtin
+    module = _optional_module("distdoctor.probe.builtin.launcher", "the built-in probe")
+    _require_torch()
+    return module.run_builtin(spec, checks=checks, steps=steps or module.DEFAULT_STEPS, faults=faults,
+                              log_file=log_file, echo=echo)
 
-    return run_builtin(spec, checks=checks, steps=steps or DEFAULT_STEPS, faults=faults, log_file=log_file, echo=echo)
+
+def validate_selection(script: str | None, framework: str, checks: Sequence[str] | None,
+                       faults: Sequence[str]) -> None:
+    """Refuse unknown check ids and faults for the probe the options select (`CatalogError`)."""
+    probe = "script" if script is not None else "builtin"
+    select_checks(probe, framework, checks)
+    if faults and script is not None:
+        raise CatalogError("--inject plants faults in the built-in probe only; a script's faults are its own")
+    if len(faults) > 1 and framework == "horovod":
+        raise CatalogError("the Horovod built-in probe plants one fault at a time")
+    if faults:
+        if framework == "horovod":
+            from distdoctor.probe.builtin.horovod_worker import FAULTS
+        else:
+            from distdoctor.probe.builtin.protocol import FAULTS
+        select_faults(FAULTS, faults, probe, framework)
 
 
 def exit_status(report: Report) -> int:
@@ -181,25 +204,21 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
     script under torchrun, stopped after --steps optimizer steps; its arguments follow `--`.
     """
     if framework is None:
-        from distdoctor.probe.script.horovod import script_framework
+        from distdoctor.probe.script.framework import script_framework
 
         framework = script_framework(script) if script is not None else "torch"
     wanted_checks = _split_ids(checks)
     faults = _split_ids(inject) or ()
-    if script is None and framework == "torch":
-        from distdoctor.probe.builtin.protocol import CHECK_IDS, FAULTS
-
-        unknown = sorted(set(wanted_checks or ()) - set(CHECK_IDS))
-        if unknown:
-            raise click.UsageError(f"unknown check(s) {', '.join(unknown)}; built-in checks: {', '.join(CHECK_IDS)}")
-        if set(faults) - set(FAULTS):
-            raise click.UsageError(f"unknown fault(s) {', '.join(sorted(set(faults) - set(FAULTS)))}")
+    try:
+        validate_selection(script, framework, wanted_checks, faults)
+    except CatalogError as exc:
+        raise click.UsageError(str(exc)) from None
     spec = resolve_spec(gpus=gpus, nproc=nproc, backend=backend, nnodes=nnodes, node_rank=node_rank,
                         rdzv_endpoint=rdzv_endpoint, timeout=timeout)
     try:
         report = dispatch(script, script_args, spec, framework=framework, steps=steps, checks=wanted_checks,
                           faults=faults, log_file=log_file, echo=verbose)
-    except (LaunchError, ProbeUnavailable) as exc:
+    except (LaunchError, ProbeUnavailable, CatalogError) as exc:
         click.echo(f"distdoctor probe: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:  # outside the launch's own wait, which stops the ranks itself

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from itertools import combinations
 
+from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RunTrace, group_ranks
 
 ID = "data-shard"
 
 
-def run(trace: RunTrace) -> CheckResult:
+def verdict(trace: RunTrace) -> CheckResult:
     """Count, per pair of ranks, the training forwards whose inputs were identical."""
     if len(trace.ranks) < 2:
         return CheckResult(ID, "skip", "one rank: nothing to compare")
@@ -52,3 +54,18 @@ def run(trace: RunTrace) -> CheckResult:
                                     "compared_forwards": compared})
     return CheckResult(ID, "pass", f"ranks fed different batches in {compared} compared training forwards",
                        ranks=evidence, details={"compared_forwards": compared})
+
+
+CHECK = Check(
+    id=ID,
+    title="ranks are not fed identical batches",
+    probe="script",
+    frameworks=("torch", "horovod"),
+    needs=(protocol.STEP,),
+    verdict=verdict,
+    faults=(
+        'fixtures/probe/fault_same_batches.py',
+        'fixtures/probe/fault_same_data_kwargs.py',
+    ),
+    order=3,
+)

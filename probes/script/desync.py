@@ -11,6 +11,7 @@ Planted fault: fixtures/probe/fault_skip_backward.py.
 from __future__ import annotations
 
 from distdoctor.probe.script import protocol
+from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
 from distdoctor.probe.script.records import RankTrace, RunTrace, group_ranks, odd_ranks
 
@@ -106,7 +107,7 @@ def _is_peer_error(t: RankTrace) -> bool:
     return any(word in text for word in _PEER_ERRORS)
 
 
-def run(trace: RunTrace) -> CheckResult:
+def verdict(trace: RunTrace) -> CheckResult:
     """Compare what each rank did between optimizer steps, and how each rank ended."""
     if not trace.ranks:
         return CheckResult(ID, "error", "no rank started the script" +
@@ -160,3 +161,20 @@ def run(trace: RunTrace) -> CheckResult:
         return CheckResult(ID, "skip", "the script made no optimizer step", ranks=_evidence(trace))
     return CheckResult(ID, "pass", f"{len(trace.ranks)} ranks made the same {steps} steps, {backward} backward passes "
                        f"and {colls} collectives", ranks=_evidence(trace))
+
+
+CHECK = Check(
+    id=ID,
+    title="every rank makes the same backward passes, optimizer steps and collectives, and none stops while others wait",
+    probe="script",
+    frameworks=("torch", "horovod"),
+    needs=(protocol.STEP, protocol.BACKWARD, protocol.BACKWARD_END, protocol.COLLECTIVE, protocol.COLLECTIVE_END, protocol.STOP, protocol.EXIT, protocol.ERROR),
+    verdict=verdict,
+    faults=(
+        'fixtures/probe/fault_skip_backward.py',
+        'fixtures/probe/fault_extra_allreduce.py',
+        'fixtures/probe/fault_rank_stops_early.py',
+        'fixtures/probe/fault_skip_iteration.py',
+    ),
+    order=4,
+)

@@ -8,13 +8,15 @@ Planted fault: fixtures/probe/fault_no_set_epoch.py.
 
 from __future__ import annotations
 
+from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RunTrace
 
 ID = "epoch-shuffle"
 
 
-def run(trace: RunTrace) -> CheckResult:
+def verdict(trace: RunTrace) -> CheckResult:
     """Find a shuffling sampler's second pass over an epoch it already went through."""
     passes = {r: [p for p in t.sampler_passes if p.get("cls") is not None] for r, t in trace.ranks.items()}
     if not any(passes.values()):
@@ -50,3 +52,17 @@ def run(trace: RunTrace) -> CheckResult:
         return CheckResult(ID, "skip", "no shuffling DistributedSampler started a second epoch within the steps "
                            "run: raise --steps to check reshuffling", ranks=evidence)
     return CheckResult(ID, "pass", "every shuffling DistributedSampler got a new epoch before each pass", ranks=evidence)
+
+
+CHECK = Check(
+    id=ID,
+    title="a shuffling DistributedSampler is not iterated twice with the same epoch",
+    probe="script",
+    frameworks=("torch", "horovod"),
+    needs=(protocol.SAMPLER_ITER,),
+    verdict=verdict,
+    faults=(
+        'fixtures/probe/fault_no_set_epoch.py',
+    ),
+    order=2,
+)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 import statistics
 
+from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RunTrace
 
 ID = "loss"
@@ -19,7 +21,7 @@ ID = "loss"
 DIVERGENCE_FACTOR = 10.0
 
 
-def run(trace: RunTrace) -> CheckResult:
+def verdict(trace: RunTrace) -> CheckResult:
     """Report the first non-finite loss, or a rank whose loss diverges from the others'."""
     curves = {r: [(s.n, v) for s in t.primary_steps() for v in s.loss] for r, t in trace.ranks.items()}
     if not any(curves.values()):
@@ -51,3 +53,17 @@ def run(trace: RunTrace) -> CheckResult:
                            "other ranks' falls", ranks=evidence, details={"ranks": diverging})
     steps = max(len(c) for c in curves.values())
     return CheckResult(ID, "pass", f"finite on every rank over {steps} backward passes", ranks=evidence)
+
+
+CHECK = Check(
+    id=ID,
+    title="the per-rank loss stays finite and no rank's loss runs away from the others'",
+    probe="script",
+    frameworks=("torch", "horovod"),
+    needs=(protocol.STEP,),
+    verdict=verdict,
+    faults=(
+        'fixtures/probe/fault_nan_loss.py',
+    ),
+    order=5,
+)

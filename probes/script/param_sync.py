@@ -5,18 +5,23 @@ Why it matters: DDP keeps replicas equal only by broadcasting rank 0's parameter
 the model, and then averaging gradients. Parameters created or changed on each rank after the wrap
 (a layer attached later, a per-rank re-initialisation, `init_sync=False`) are never made equal
 again, and every rank trains a different model while the loss looks fine.
-Planted fault: fixtures/probe/fault_init_after_wrap.py, fixtures/probe/fault_layer_after_wrap.py.
+Under Horovod, `hvd.broadcast_parameters` takes DDP's place: a divergence at the first step says
+whether the Horovod hooks saw it called.
+Planted faults: fixtures/probe/fault_init_after_wrap.py, fixtures/probe/fault_layer_after_wrap.py,
+fixtures/probe/fault_no_ddp.py, fixtures/probe/hvd_no_broadcast.py.
 """
 
 from __future__ import annotations
 
+from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
+from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
 
 ID = "param-sync"
 
 
-def run(trace: RunTrace) -> CheckResult:
+def verdict(trace: RunTrace) -> CheckResult:
     """Compare parameter checksums across ranks, step by step, and name the first divergence."""
     if len(trace.ranks) < 2:
         return CheckResult(ID, "skip", "one rank: nothing to compare")
@@ -30,8 +35,14 @@ def run(trace: RunTrace) -> CheckResult:
     odd = odd_ranks(divergence.groups)
     name = divergence.params[0]
     cause = ""
+    details: dict = {}
     outside = [p for p, flag in divergence.in_ddp.items() if flag is False]
-    if outside:
+    if divergence.key == "param0" and trace.framework == "horovod":
+        broadcast = sorted({r for r, _ in trace.horovod_records("broadcast_parameters")})
+        cause = ("; hvd.broadcast_parameters(model.state_dict(), root_rank=0) was never called" if not broadcast
+                 else "; changed on a rank after hvd.broadcast_parameters")
+        details["broadcast_ranks"] = broadcast
+    elif outside:
         ddp_site = next((trace.site(d["site"]) for t in trace.ranks.values() for d in t.ddp), "?")
         cause = f"; {list_names(outside)} not in the model DDP wrapped at {ddp_site} (attached after the wrap?)"
     elif divergence.key == "param0":
@@ -48,5 +59,22 @@ def run(trace: RunTrace) -> CheckResult:
                  "optimizer": divergence.opt, "parameter": name, "parameters": list(divergence.params),
                  "ranks": odd, "groups": divergence.groups,
                  "values": describe_groups(divergence.groups, lambda r: fmt_checksum(divergence.values[r])),
-                 "compared_steps": compared},
+                 "compared_steps": compared, **details},
     )
+
+
+CHECK = Check(
+    id=ID,
+    title="the parameters each optimizer updates are equal on every rank, at the first step and after every step",
+    probe="script",
+    frameworks=("torch", "horovod"),
+    needs=(protocol.OPTIMIZER, protocol.STEP, protocol.DDP, protocol.HOROVOD),
+    verdict=verdict,
+    faults=(
+        'fixtures/probe/fault_init_after_wrap.py',
+        'fixtures/probe/fault_layer_after_wrap.py',
+        'fixtures/probe/fault_no_ddp.py',
+        'fixtures/probe/hvd_no_broadcast.py',
+    ),
+    order=0,
+)

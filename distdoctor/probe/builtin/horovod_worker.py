@@ -2,9 +2,12 @@
 
 Each rank trains a small seeded regression model through `hvd.DistributedOptimizer`, after
 `hvd.broadcast_parameters` and `hvd.broadcast_optimizer_state`, exactly as Horovod documents it, and
-writes what it saw to `<out>/rank<R>.json`. The launcher (`distdoctor.probe.builtin.horovod`) compares the
-ranks with each other and with a single-process reference; the ranks never compare among themselves,
-so a rank that stalls or dies still leaves the others' evidence behind.
+writes what it saw to `<out>/rank<R>.json`: one evidence object per check id, in the shape each
+Horovod check of the catalog names in its `needs` (`env`, `grad-sync`, `param-sync` share theirs
+with the torchrun checks). The launcher (`distdoctor.probe.builtin.horovod`) has the checks compare
+the ranks with each other and with a single-process reference; the ranks never compare among
+themselves, so a rank that stalls or dies still leaves the others' evidence behind. The model, the
+shards and the checksums are the torchrun probe's rank kit (`distdoctor.probe.builtin.rank`).
 
 The setup is chosen so that each documented step matters:
 - the model is initialised with a rank-dependent seed (as scripts that seed by rank do), so only
@@ -24,7 +27,6 @@ collective; Horovod averages gradients, so a healthy run follows it to float rou
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -49,49 +51,23 @@ MOMENTUM = 0.9
 CLIP_NORM = 0.5
 
 
-def _checksum(tensors) -> dict:
-    """A float64 sum (readable) and a SHA-1 of the bytes (exact) of a list of tensors."""
-    import torch
-
-    digest = hashlib.sha1()
-    total = 0.0
-    for t in tensors:
-        t = t.detach().to("cpu", torch.float32).contiguous()
-        digest.update(t.numpy().tobytes())
-        total += float(t.double().sum())
-    return {"sum": total, "sha1": digest.hexdigest()}
-
-
 def _flat(tensors):
     import torch
 
     return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
-def _model(seed: int):
-    import torch
-
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
-
-
 def _global_batch(step: int, world_size: int):
     """The step's global batch, the same on every rank: a learnable, noisy nonlinear target."""
     import torch
 
-    gen = torch.Generator().manual_seed(SEED * 1000 + step)
+    from distdoctor.probe.builtin.rank import seeded_generator
+
+    gen = seeded_generator(SEED * 1000 + step)
     x = torch.randn(PER_RANK_BATCH * world_size, IN_FEATURES, generator=gen)
     w = torch.linspace(-1.0, 1.0, IN_FEATURES)
     y = torch.sin(x @ w).unsqueeze(1) * 2.0 + 0.05 * torch.randn(x.shape[0], 1, generator=gen)
     return x, y
-
-
-def _shard(batch, rank: int):
-    x, y = batch
-    sl = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-    return x[sl], y[sl]
 
 
 def _checkpoint(model) -> dict:
@@ -116,17 +92,19 @@ def _load_checkpoint(optimizer, checkpoint: dict, lr: float) -> None:
         group["lr"] = lr
 
 
-def _reference(world_size: int, steps: int, lr: float) -> dict:
+def _reference(ctx, lr: float) -> dict:
     """Single process, rank 0's start, global batch, scaled lr, clipping of the averaged gradient."""
     import torch
 
-    model = _model(SEED)
+    from distdoctor.probe.builtin.rank import tiny_mlp
+
+    model = tiny_mlp(ctx, IN_FEATURES, HIDDEN, seed=SEED)
     checkpoint = _checkpoint(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     _load_checkpoint(opt, checkpoint, lr)
     grads, losses = None, []
-    for step in range(steps):
-        x, y = _global_batch(step, world_size)
+    for step in range(ctx.steps):
+        x, y = _global_batch(step, ctx.world_size)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         losses.append(float(loss))
@@ -138,45 +116,57 @@ def _reference(world_size: int, steps: int, lr: float) -> dict:
     return {"first_grads": grads, "losses": losses}
 
 
-def run_rank(steps: int, fault: str) -> dict:
-    """Train on this rank through Horovod and return the evidence for every check."""
-    import horovod
+def rank_context(steps: int, fault: str):
+    """This rank's `RankContext` (the torchrun probe's), from Horovod's rank and size; CPU, Gloo."""
     import horovod.torch as hvd
     import torch
 
-    rank, size = hvd.rank(), hvd.size()
-    scaled_lr = BASE_LR * size
-    lr = BASE_LR if fault == "unscaled-lr" else scaled_lr
+    from distdoctor.probe.builtin.rank import RankContext
 
-    model = _model(SEED + rank)  # rank-dependent on purpose: only the broadcast makes it right
+    return RankContext(rank=hvd.rank(), world_size=hvd.size(), local_rank=hvd.local_rank(), backend="gloo",
+                       device=torch.device("cpu"), steps=steps, faults=frozenset({fault} - {"none"}), seed=SEED)
+
+
+def run_rank(ctx) -> dict:
+    """Train on this rank through Horovod and return the evidence of every Horovod check, by check id."""
+    import horovod.torch as hvd
+    import torch
+
+    from distdoctor.probe.builtin.rank import checksum, shard, tiny_mlp
+    from distdoctor.probes.builtin import env
+    from distdoctor.probes.builtin.grad_sync import HOROVOD_RTOL
+
+    rank, size = ctx.rank, ctx.world_size
+    scaled_lr = BASE_LR * size
+    lr = BASE_LR if ctx.planted("unscaled-lr") else scaled_lr
+
+    # rank-dependent on purpose: only the broadcast makes it right
+    model = tiny_mlp(ctx, IN_FEATURES, HIDDEN, seed=SEED + rank)
     checkpoint = _checkpoint(model) if rank == 0 else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     if checkpoint is not None:
         _load_checkpoint(optimizer, checkpoint, lr)
-    if fault != "no-broadcast":
+    if not ctx.planted("no-broadcast"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    def optimizer_state():
-        return [
-            buf for p in model.parameters() if (buf := optimizer.state.get(p, {}).get("momentum_buffer")) is not None
-        ]
-
-    reference = _reference(size, steps, scaled_lr)
-    param_sums = [_checksum(model.parameters())]
-    state_sum = _checksum(optimizer_state())
+    reference = _reference(ctx, scaled_lr)
+    param_sums = [checksum(model.parameters())]
+    # The momentum buffers after the broadcasts (none on a rank that never got rank 0's checkpoint).
+    state = [buf for p in model.parameters() if (buf := optimizer.state.get(p, {}).get("momentum_buffer")) is not None]
+    state_sum = checksum(state) if state else None
     losses, local_losses, first_grads = [], [], None
-    for step in range(steps):
+    for step in range(ctx.steps):
         batch = _global_batch(step, size)
         with torch.no_grad():  # the global loss of this rank's model: no collective needed
             losses.append(float(torch.nn.functional.mse_loss(model(batch[0]), batch[1])))
-        x, y = _shard(batch, rank)
+        x, y = shard(batch[0], ctx), shard(batch[1], ctx)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         local_losses.append(float(loss))
         loss.backward()
-        if fault == "clip-before-sync":
+        if ctx.planted("clip-before-sync"):
             # The bug: the all-reduce started by backward's hooks has not been waited for.
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             if step == 0:
@@ -193,28 +183,26 @@ def run_rank(steps: int, fault: str) -> dict:
                 first_grads = [p.grad.clone() for p in model.parameters()]
             with optimizer.skip_synchronize():
                 optimizer.step()
-        param_sums.append(_checksum(model.parameters()))
+        param_sums.append(checksum(model.parameters()))
 
     ref_grads = _flat(reference["first_grads"])
     grads = _flat(first_grads)
     scale = float(ref_grads.abs().max()) or 1.0
+    relative = float((grads - ref_grads).abs().max()) / scale
     return {
-        "rank": rank,
-        "size": size,
-        "fault": fault,
-        "lr": lr,
-        "scaled_lr": scaled_lr,
-        "horovod": horovod.__version__,
-        "torch": torch.__version__,
+        "env": env.run(ctx),
         "grad-sync": {
-            "grad_checksum": _checksum(first_grads),
+            "checksum": checksum(first_grads),
             "max_abs_diff_vs_reference": float((grads - ref_grads).abs().max()),
-            "relative_diff_vs_reference": float((grads - ref_grads).abs().max()) / scale,
+            "relative_diff_vs_reference": relative,
+            "matches_reference": relative <= HOROVOD_RTOL,
+            "grad_norm_ratio_vs_reference": round(float(grads.abs().sum()) / max(float(ref_grads.abs().sum()), 1e-30), 6),
             "grad_norm": float(grads.norm()),
             "reference_grad_norm": float(ref_grads.norm()),
         },
-        "param-sync": {"param_checksums": param_sums, "optimizer_state_checksum": state_sum},
-        "convergence": {"losses": losses, "reference_losses": reference["losses"], "local_losses": local_losses},
+        "param-sync": {"checksums": param_sums, "optimizer_state": state_sum},
+        "convergence": {"losses": losses, "reference_losses": reference["losses"], "local_losses": local_losses,
+                        "lr": lr, "scaled_lr": scaled_lr},
     }
 
 
@@ -234,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()
     out = args.out / f"rank{hvd.rank()}.json"
     try:
-        evidence = run_rank(args.steps, args.fault)
+        evidence = run_rank(rank_context(args.steps, args.fault))
     except Exception:
         out.write_text(json.dumps({"rank": hvd.rank(), "error": traceback.format_exc()}))
         raise

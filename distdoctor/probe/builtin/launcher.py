@@ -1,14 +1,13 @@
 """The launcher side of the built-in probe: one torchrun launch, then a verdict per check.
 
 `run_builtin` starts `distdoctor.probe.builtin.worker` on every rank, reads back the evidence the ranks
-gathered, and asks each check module (`distdoctor.probes.<id>`) for its verdict. When a rank dies
+gathered, and asks each check of the catalog (`distdoctor.probe.checks`) for its verdict. When a rank dies
 or stalls, the checks it finished keep their verdicts, the check it was in reports the rank, its
 last step and its traceback, and the checks never reached say so. No torch is imported here.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shutil
@@ -20,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from distdoctor.probe.builtin.protocol import (
-    CHECK_IDS, CHECKS_ENV, FAULTS, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, STEPS_ENV, WORKER_MODULE, check_module,
-    progress_file, rank_file, ranks_phrase,
+    CHECKS_ENV, FAULTS, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, WORKER_MODULE, progress_file, rank_file, ranks_phrase,
 )
-from distdoctor.probe.launch.torchrun import LaunchResult, LaunchSpec, describe_exitcode, launch
+from distdoctor.probe.checks import Evidence, checks_of, select_checks, select_faults
+from distdoctor.probe.launch.torchrun import STEPS_ENV, LaunchResult, LaunchSpec, describe_exitcode, launch
 from distdoctor.probe.report import CheckResult, Report
 
 # The pseudo-check that carries a launch that could not measure anything (exit status 2).
@@ -46,15 +45,12 @@ def run_builtin(
     log_file: str | Path | None = None,
     echo: bool = False,
 ) -> Report:
-    """Run the built-in checks (all by default) in one torchrun launch and return the report."""
-    wanted = tuple(checks) if checks else CHECK_IDS
-    unknown = sorted(set(wanted) - set(CHECK_IDS))
-    if unknown:
-        raise ValueError(f"unknown check(s): {', '.join(unknown)}; known: {', '.join(CHECK_IDS)}")
-    unknown_faults = sorted(set(faults) - set(FAULTS))
-    if unknown_faults:
-        raise ValueError(f"unknown fault(s): {', '.join(unknown_faults)}; known: {', '.join(FAULTS)}")
-    ordered = tuple(c for c in CHECK_IDS if c in wanted)
+    """Run the built-in checks (all by default) in one torchrun launch and return the report.
+
+    Raises `CatalogError` for an unknown check id or fault.
+    """
+    ordered = tuple(check.id for check in select_checks("builtin", "torch", checks))
+    select_faults(FAULTS, faults, "builtin", "torch")
     out_dir = Path(tempfile.mkdtemp(prefix="distdoctor-probe-"))
     try:
         env = {
@@ -132,13 +128,8 @@ def build_report(spec: LaunchSpec, checks: Sequence[str], result: LaunchResult, 
 
 
 def _verdict(check: str, ranks: dict[int, dict], world_size: int) -> CheckResult:
-    module = importlib.import_module(check_module(check))
-    try:
-        return module.verdict(ranks, world_size)
-    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
-        # Evidence in an unexpected shape (a rank from another distdoctor version): say so, do not crash.
-        return CheckResult(check, "error", f"could not judge the evidence: {type(exc).__name__}: {exc}",
-                           {str(r): ev for r, ev in ranks.items()}, {})
+    (found,) = select_checks("builtin", "torch", [check])
+    return found.judge(Evidence(ranks, world_size, "torch"))
 
 
 def progress_past_start(progress: dict[int, dict]) -> bool:
@@ -208,7 +199,8 @@ def diagnose(result: LaunchResult, progress: dict[int, dict]) -> dict[str, Any]:
 
 def _ranks_behind(progress: dict[int, dict]) -> list[int]:
     """The ranks whose last recorded position (check, step) is the earliest of all."""
-    order = {check: i for i, check in enumerate(("init", *CHECK_IDS, "gather", "done"))}
+    ids = [check.id for check in checks_of("builtin", "torch")]
+    order = {check: i for i, check in enumerate(("init", *ids, "gather", "done"))}
 
     def position(rank: int) -> tuple[int, int]:
         p = progress[rank]

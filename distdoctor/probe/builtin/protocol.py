@@ -1,16 +1,13 @@
 """What the built-in probe's launcher and its ranks agree on: environment variables and file names.
 
-No torch here: both sides import it.
+No torch here: both sides import it. The step budget travels in `launch.torchrun.STEPS_ENV`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# Check ids in the order they run; the ones that can make a rank die or stall come last.
-CHECK_IDS: tuple[str, ...] = ("env", "collectives", "bandwidth", "grad-sync", "param-sync", "syncbn", "sampler",
-                              "convergence")
-# Faults a test can plant (hidden `--inject`); each names the check(s) it must make fail.
+# Faults a test can plant (hidden `--inject`); the checks that must fail name them in their FAULTS.
 FAULTS: dict[str, str] = {
     "rank-init": "parameters re-initialised per rank after DDP wrapped them (no broadcast)",
     "no-allreduce": "a DDP comm hook that skips the gradient all-reduce",
@@ -25,15 +22,9 @@ FAULTS: dict[str, str] = {
 }
 CHECKS_ENV = "DISTDOCTOR_CHECKS"
 FAULTS_ENV = "DISTDOCTOR_INJECT"
-STEPS_ENV = "DISTDOCTOR_STEPS"
 OUT_DIR_ENV = "DISTDOCTOR_OUT_DIR"
 GATHERED_FILE = "gathered.json"
 WORKER_MODULE = "distdoctor.probe.builtin.worker"
-
-
-def check_module(check_id: str) -> str:
-    """The module implementing a check: `grad-sync` -> `distdoctor.probes.grad_sync`."""
-    return "distdoctor.probes." + check_id.replace("-", "_")
 
 
 def rank_file(out_dir: Path, rank: int) -> Path:

@@ -1,7 +1,8 @@
 """What a built-in check sees inside a rank: who it is, its device, the planted faults, and helpers.
 
-Only imported by rank processes (`distdoctor.probe.builtin.worker`) and by the rank-side `run` of the
-checks in `distdoctor.probes`; the launcher never imports it, because it imports torch.
+Only imported by rank processes (`distdoctor.probe.builtin.worker`, `distdoctor.probe.builtin.horovod_worker`)
+and by the rank-side `run` of the checks in `distdoctor.probes`; the launcher never imports it,
+because it imports torch.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def checksum(tensors: Iterable[torch.Tensor]) -> list[float]:
     return [float(flat.sum()), float((flat * weights).sum())]
 
 
-def tiny_mlp(ctx: RankContext, in_features: int = 8, hidden: int = 16) -> torch.nn.Module:
-    """The same small MLP on every rank (seeded), on the rank's device."""
-    torch.manual_seed(ctx.seed)
+def tiny_mlp(ctx: RankContext, in_features: int = 8, hidden: int = 16, *, seed: int | None = None) -> torch.nn.Module:
+    """The same small MLP on every rank (seeded with `seed`, else the probe's seed), on the rank's device."""
+    torch.manual_seed(ctx.seed if seed is None else seed)
     return torch.nn.Sequential(
         torch.nn.Linear(in_features, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
     ).to(ctx.device)

@@ -9,7 +9,6 @@ multi-node launch reports from the same data, hence the same verdict.
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
 import os
 import sys
@@ -19,11 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distdoctor.probe.builtin.protocol import (
-    CHECKS_ENV, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, STEPS_ENV, check_module, progress_file, rank_file,
-)
-from distdoctor.probe.launch.torchrun import COLLECTIVE_TIMEOUT_ENV
+from distdoctor.probe.builtin.protocol import CHECKS_ENV, FAULTS_ENV, GATHERED_FILE, OUT_DIR_ENV, progress_file, rank_file
 from distdoctor.probe.builtin.rank import RankContext
+from distdoctor.probe.checks import select_checks
+from distdoctor.probe.launch.torchrun import COLLECTIVE_TIMEOUT_ENV, STEPS_ENV
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -43,7 +41,7 @@ def _device(backend: str, local_rank: int, faults: frozenset[str]) -> torch.devi
 @record
 def main() -> None:
     out_dir = Path(os.environ[OUT_DIR_ENV])
-    checks = [c for c in os.environ[CHECKS_ENV].split(",") if c]
+    checks = select_checks("builtin", "torch", os.environ[CHECKS_ENV].split(","))
     faults = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
     backend = os.environ.get("DISTDOCTOR_BACKEND", "gloo")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -60,8 +58,8 @@ def main() -> None:
     try:
         evidence: dict[str, dict] = {}
         for check in checks:
-            ctx.progress(check)
-            evidence[check] = importlib.import_module(check_module(check)).run(ctx)
+            ctx.progress(check.id)
+            evidence[check.id] = check.run(ctx)
             _write_json(rank_file(out_dir, rank), evidence)
         ctx.progress("gather")
         everyone: list[dict | None] = [None] * ctx.world_size

@@ -12,7 +12,7 @@ things torchrun alone does not promise:
   (`--redirects`) files and the per-rank error files written by `@record`.
 
 The first two hold for any launcher that starts ranks in sessions of their own: `run_process_tree`
-is also what `distdoctor.probe.builtin.horovod` runs horovodrun with, and `LaunchResult` what it returns.
+is also what `distdoctor.probe.launch.horovodrun` runs horovodrun with, and `LaunchResult` what it returns.
 
 It never imports torch in the launcher process: torchrun runs as a child.
 """
@@ -37,6 +37,9 @@ from pathlib import Path
 
 # Environment variable that tells ranks how long one collective may wait before it raises.
 COLLECTIVE_TIMEOUT_ENV = "DISTDOCTOR_COLLECTIVE_TIMEOUT_S"
+# How many training steps the ranks run, for every probe and launcher (the script probe: optimizer
+# steps, 0 to let the script finish).
+STEPS_ENV = "DISTDOCTOR_STEPS"
 # The id all nodes of one multi-node launch agree on (c10d rendezvous needs the same on each).
 DEFAULT_RDZV_ID = "distdoctor"
 # How long ranks get to exit after SIGTERM before SIGKILL.

@@ -517,14 +517,3 @@ def install_torch_hooks(probe: Probe) -> None:
 
     dist.init_process_group = init_process_group
 
-
-def install_horovod_hooks(probe: Probe) -> None:
-    """The seam for Horovod scripts: `hvd.DistributedOptimizer` and `broadcast_parameters`.
-
-    Optimizer steps, backward passes and forward inputs are observed by the torch hooks above;
-    Horovod adds its own wrappers (its optimizer all-reduces gradients inside `step`/`synchronize`,
-    and `broadcast_parameters` replaces DDP's initial broadcast), which are hooked here.
-    """
-    from distdoctor.probe.script.horovod_hooks import install
-
-    install(probe)

@@ -1,6 +1,6 @@
 """Rank-side hooks for Horovod scripts (`distdoctor probe train_hvd.py`, run under horovodrun).
 
-The torch hooks (`instrument.hooks.install_torch_hooks`) already see every optimizer step, backward
+The torch hooks (`distdoctor.probe.script.hooks.install_torch_hooks`) already see every optimizer step, backward
 pass and model input. Horovod changes two things they rely on, handled here:
 
 - `hvd.DistributedOptimizer` returns an instance of a class made on the fly (a subclass of the user's
@@ -16,7 +16,9 @@ pass and model input. Horovod changes two things they rely on, handled here:
 
 `hvd.broadcast_parameters` / `hvd.broadcast_optimizer_state` calls are recorded too, so that a
 parameter divergence at the first step can say whether the broadcast happened.
-Records are `{"e": "hvd", "what": ...}` lines in the rank's record file (`instrument.protocol`).
+Records are `{"e": "hvd", "what": ...}` lines in the rank's record file (`protocol.HOROVOD`), read
+back as `RankTrace.horovod`. This module builds on `distdoctor.probe.script.hooks`; nothing there
+imports it back (`distdoctor.probe.script.run` installs both).
 """
 
 from __future__ import annotations
@@ -25,19 +27,24 @@ import functools
 import weakref
 from typing import Any
 
-HOROVOD = "hvd"  # the record kind ("e") of everything written here
+from distdoctor.probe.script.hooks import user_site
+from distdoctor.probe.script.protocol import HOROVOD
+
 # Functions that change gradients in place: harmless after synchronize(), wrong before it.
 GRADIENT_EDITORS = ("clip_grad_norm_", "clip_grad_value_")
 
 
 def install(probe: Any) -> None:
-    """Hook `horovod.torch` and the gradient clipping functions for `probe` (an `instrument.hooks.Probe`)."""
+    """Hook `horovod.torch` and the gradient clipping functions for `probe` (a `hooks.Probe`).
+
+    Optimizer steps, backward passes and forward inputs are observed by the torch hooks; Horovod adds
+    its own wrappers (its optimizer all-reduces gradients inside `step`/`synchronize`, and
+    `broadcast_parameters` replaces DDP's initial broadcast), which are hooked here.
+    """
     import horovod.torch as hvd
     import horovod.torch.optimizer as hvd_optimizer
     import torch.nn.utils
     import torch.nn.utils.clip_grad
-
-    from distdoctor.probe.script.hooks import user_site
 
     distributed: weakref.WeakSet[Any] = weakref.WeakSet()
     plain_synchronize = hvd_optimizer._DistributedOptimizer.__dict__["synchronize"]

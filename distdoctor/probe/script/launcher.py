@@ -1,42 +1,39 @@
-"""`distdoctor probe SCRIPT`: run the user's unchanged training script under torchrun, observed by
-`distdoctor.probe.script`, and judge it check by check (`probes/script/*`).
+"""`distdoctor probe SCRIPT`: run the user's unchanged training script under torchrun or horovodrun,
+observed by `distdoctor.probe.script`, and judge it check by check (the script checks of
+`distdoctor.probe.checks`, `probes/script/*`).
 
 How the pieces meet:
-- torchrun starts `-m distdoctor.probe.script.run SCRIPT ARGS` on every rank (the launcher is
-  `distdoctor.probe.launch.torchrun`); the run directory, the step budget and the framework travel in the
-  environment (`instrument.protocol`).
-- Each rank appends its observations to `<run dir>/rank<R>.jsonl`. Ranks are compared here, from
-  those files, never with a collective: a desynchronised job is diagnosed, not made worse. Files
-  rather than a TCP store because they survive a rank being killed and need no extra port; a
-  multi-node run needs the run directory on a shared filesystem (`DISTDOCTOR_RUN_DIR`).
-- While the job runs, `script_watch.StallWatcher` follows the files and ends a stalled job.
-
-`observe_script` is that whole run for any launcher: `distdoctor.probe.script.horovod` calls it with
-horovodrun and adds what the Horovod records say.
+- the launcher (`distdoctor.probe.launch.torchrun`, or `launch.horovodrun` for a Horovod script)
+  starts `-m distdoctor.probe.script.run SCRIPT ARGS` on every rank; the run directory, the step
+  budget and the framework travel in the environment (`protocol`);
+- each rank appends its observations to `<run dir>/rank<R>.jsonl` (the Horovod hooks add theirs).
+  Ranks are compared here, from those files, never with a collective: a desynchronised job is
+  diagnosed, not made worse. Files rather than a TCP store because they survive a rank being
+  killed and need no extra port; a multi-node run needs the run directory on a shared filesystem
+  (`DISTDOCTOR_RUN_DIR`);
+- while the job runs, `watch.StallWatcher` follows the files and ends a stalled job;
+- the records become one `RunTrace`, which carries the framework, and every selected check gives
+  its verdict on it: a check that reads Horovod's records does so itself.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distdoctor.probe.script import protocol
-from distdoctor.probe.launch.torchrun import LaunchError, LaunchResult, LaunchSpec, launch
+from distdoctor.probe.checks import FRAMEWORKS, Check, select_checks
+from distdoctor.probe.launch import horovodrun
+from distdoctor.probe.launch.torchrun import STEPS_ENV, LaunchError, LaunchResult, LaunchSpec, launch
 from distdoctor.probe.report import CheckResult, Report
+from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RunTrace
 from distdoctor.probe.script.watch import StallWatcher
-
-# One module per check, in report order (each has ID and run(trace) -> CheckResult).
-CHECK_MODULES = ("param_sync", "grad_sync", "epoch_shuffle", "data_shard", "desync", "loss")
-CHECK_IDS = ("param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss")
-FRAMEWORKS = ("torch", "horovod")
 
 
 @dataclass(frozen=True)
@@ -57,31 +54,47 @@ def run_script_probe(
     *,
     steps: int,
     framework: str = "torch",
+    checks: Sequence[str] | None = None,
     log_file: str | None = None,
     keep_run_dir: str | None = None,
 ) -> Report:
     """Probe `script` on `spec.nproc` ranks for `steps` optimizer steps and return the report.
 
-    The script's output is echoed to stderr, prefixed by rank, or written to `log_file`. Raises
-    `LaunchError` when the script cannot be started at all (missing file, unknown framework).
+    `checks` limits the verdicts to those ids (all by default). The script's output is echoed to
+    stderr, prefixed by rank, or written to `log_file`. Raises `CatalogError` for an unknown check
+    id, `LaunchError` when the script cannot be started at all (missing file, unknown framework,
+    Horovod missing or asked for several nodes).
     """
     if framework not in FRAMEWORKS:
         raise LaunchError(f"unknown framework {framework!r}: choose one of {', '.join(FRAMEWORKS)}")
+    selected = select_checks("script", framework, checks)
     if not os.path.isfile(script):
         raise LaunchError(f"no such script: {script}")
     if steps < 0:
         raise LaunchError(f"--steps must be 0 (run to the end) or more, got {steps}")
     if framework == "horovod":
-        from distdoctor.probe.script.horovod import run_horovod_script_probe
-
-        return run_horovod_script_probe(script, script_args, spec, steps=steps, log_file=log_file,
-                                        keep_run_dir=keep_run_dir)
-    run = observe_script(script, script_args, spec, steps=steps, framework=framework, start_ranks=launch,
+        horovodrun.require_horovod()
+        if spec.nnodes > 1:
+            raise LaunchError("Horovod scripts are probed on one node (horovodrun -np N); drop --nnodes")
+    run = observe_script(script, script_args, spec, steps=steps, framework=framework, checks=selected,
                          log_file=log_file, keep_run_dir=keep_run_dir)
-    backend = next((t.backend for t in run.trace.ranks.values() if t.backend), spec.backend)
+    extra: dict[str, Any] = {"script": run.script, "steps": steps}
+    if framework == "horovod":
+        backend = "gloo"
+        extra.update(framework="horovod", launcher="horovodrun")
+    else:
+        backend = next((t.backend for t in run.trace.ranks.values() if t.backend), spec.backend)
+    extra.update(overhead=overhead(run.trace), interrupted=run.launch.interrupted)
     return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=run.duration_s,
-                  checks=run.checks, extra={"script": run.script, "steps": steps, "overhead": overhead(run.trace),
-                                            "interrupted": run.launch.interrupted})
+                  checks=run.checks, extra=extra)
+
+
+def _start_ranks(framework: str, spec: LaunchSpec, target: Sequence[str], *, echo: bool) -> LaunchResult:
+    if framework == "horovod":
+        # horovodrun does not set WORLD_SIZE, which the instrumentation's start record reads.
+        env = {**spec.env, "WORLD_SIZE": str(spec.nproc)}
+        return horovodrun.launch_horovod(spec.nproc, target, timeout_s=spec.timeout_s, env=env, echo=echo)
+    return launch(spec, target, echo=echo)
 
 
 def observe_script(
@@ -91,59 +104,44 @@ def observe_script(
     *,
     steps: int,
     framework: str,
-    start_ranks: Callable[..., LaunchResult],
-    judge: Callable[[RunTrace, Path], tuple[CheckResult, ...]] | None = None,
+    checks: Sequence[Check] | None = None,
     log_file: str | None = None,
     keep_run_dir: str | None = None,
 ) -> ScriptRun:
     """Run `script` on every rank, observed by `distdoctor.probe.script`, and judge what the ranks recorded.
 
-    `start_ranks(spec, target, echo=...)` is the launcher (`distdoctor.probe.launch.torchrun.launch` for torchrun);
-    `spec.env` carries the run directory, the step budget and the framework to the ranks.
-    `judge(trace, run_dir)` gives the verdicts (every check of CHECK_MODULES when None); it runs
-    while the ranks' records are still there: the run directory is removed afterwards unless it is
-    kept (`keep_run_dir`, or `DISTDOCTOR_RUN_DIR` set by the user).
+    `spec.env` carries the run directory, the step budget and the framework to the ranks. The
+    verdicts (every script check of the framework when `checks` is None) are given while the ranks'
+    records are still there: the run directory is removed afterwards unless it is kept
+    (`keep_run_dir`, or `DISTDOCTOR_RUN_DIR` set by the user).
     """
     script = os.path.abspath(script)
     run_dir = Path(keep_run_dir or os.environ.get(protocol.RUN_DIR_ENV) or tempfile.mkdtemp(prefix="distdoctor-probe-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*run_dir.glob("rank*.jsonl"), *run_dir.glob("stacks*.txt")]:
         stale.unlink()
-    env = {**spec.env, protocol.RUN_DIR_ENV: str(run_dir), protocol.STEPS_ENV: str(steps),
-           protocol.FRAMEWORK_ENV: framework}
+    env = {**spec.env, protocol.RUN_DIR_ENV: str(run_dir), STEPS_ENV: str(steps), protocol.FRAMEWORK_ENV: framework}
     watcher = StallWatcher(run_dir, script, spec.timeout_s)
     started = time.monotonic()
     watcher.start()
     try:
-        result = start_ranks(replace(spec, env=env), ["-m", protocol.RUN_MODULE, script, *script_args],
-                             echo=log_file is None)
+        result = _start_ranks(framework, replace(spec, env=env), ["-m", protocol.RUN_MODULE, script, *script_args],
+                              echo=log_file is None)
     finally:
         stall = watcher.stop()
     duration = time.monotonic() - started
     if log_file:
         Path(log_file).write_text(result.output)
     try:
-        trace = RunTrace.load(run_dir, script, spec.nproc * spec.nnodes, steps, stall=stall,
+        trace = RunTrace.load(run_dir, script, spec.nproc * spec.nnodes, steps, framework=framework, stall=stall,
                               timed_out=result.timed_out, launch_failure=result.failure_message(),
                               rank_errors=result.rank_errors)
-        checks = judge(trace, run_dir) if judge is not None else run_checks(trace)
+        selected = tuple(checks) if checks is not None else select_checks("script", framework)
+        verdicts = tuple(check.judge(trace) for check in selected)
     finally:
         if not keep_run_dir and protocol.RUN_DIR_ENV not in os.environ:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return ScriptRun(script=script, launch=result, trace=trace, checks=checks, duration_s=duration)
-
-
-def run_checks(trace: RunTrace) -> tuple[CheckResult, ...]:
-    """Every script check's verdict on `trace`, in report order."""
-    return tuple(_run_check(name, trace) for name in CHECK_MODULES)
-
-
-def _run_check(module_name: str, trace: RunTrace) -> CheckResult:
-    module = importlib.import_module(f"distdoctor.probes.script.{module_name}")
-    try:
-        return module.run(trace)
-    except Exception as exc:  # a bug in one check must not hide the others' verdicts
-        return CheckResult(module.ID, "error", f"the check itself failed: {type(exc).__name__}: {exc}")
+    return ScriptRun(script=script, launch=result, trace=trace, checks=verdicts, duration_s=duration)
 
 
 def overhead(trace: RunTrace) -> dict[str, Any]:

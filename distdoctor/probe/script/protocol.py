@@ -13,19 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Set by the launcher side (distdoctor.probe.script.launcher), read by distdoctor.probe.script.run.
+# Set by the launcher side (distdoctor.probe.script.launcher), read by distdoctor.probe.script.run;
+# the step budget travels in distdoctor.probe.launch.torchrun.STEPS_ENV, as for the built-in probe.
 RUN_DIR_ENV = "DISTDOCTOR_RUN_DIR"
-STEPS_ENV = "DISTDOCTOR_STEPS"  # stop after this many optimizer steps; 0: let the script finish
 FRAMEWORK_ENV = "DISTDOCTOR_FRAMEWORK"  # "torch" (DDP/torchrun) or "horovod"
 
 # The module torchrun starts in place of the script: `-m distdoctor.probe.script.run SCRIPT ARGS`.
 RUN_MODULE = "distdoctor.probe.script.run"
 
-# Event kinds ("e" field). The payload of each is documented where it is written (instrument.hooks).
+# Event kinds ("e" field). The payload of each is documented where it is written (hooks, horovod_hooks).
 START, DDP, OPTIMIZER, BACKWARD, BACKWARD_END, COLLECTIVE, COLLECTIVE_END = (
     "start", "ddp", "opt", "bwd", "bwd_end", "coll", "coll_end",
 )
 SAMPLER_ITER, STEP, STOP, EXIT, ERROR = "sampler", "step", "stop", "exit", "error"
+# Everything the Horovod hooks record (distdoctor.probe.script.horovod_hooks), told apart by "what".
+HOROVOD = "hvd"
 
 
 def records_path(run_dir: str | Path, rank: int) -> Path:

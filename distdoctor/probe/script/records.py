@@ -68,6 +68,7 @@ class RankTrace:
     open_backward: int | None = None  # a backward pass entered and not left
     open_collective: int | None = None
     end: dict[str, Any] | None = None  # the stop, exit or error record
+    horovod: list[dict[str, Any]] = field(default_factory=list)  # the Horovod hooks' records, in order
 
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("e")
@@ -97,6 +98,8 @@ class RankTrace:
             self.sampler_passes.append(record)
         elif kind in (protocol.STOP, protocol.EXIT, protocol.ERROR):
             self.end = record
+        elif kind == protocol.HOROVOD:
+            self.horovod.append(record)
 
     def primary_steps(self) -> list[Step]:
         return [s for s in self.steps if s.opt == 0]
@@ -149,12 +152,13 @@ def _step(record: dict[str, Any]) -> Step:
 
 @dataclass
 class RunTrace:
-    """All ranks of one probed run, plus what the launcher saw."""
+    """All ranks of one probed run, plus what the launcher saw (the framework: "torch" or "horovod")."""
 
     script: str
     world_size: int
     steps_requested: int
     ranks: dict[int, RankTrace]
+    framework: str = "torch"
     stall: StallReport | None = None
     timed_out: bool = False
     launch_failure: str = ""
@@ -214,6 +218,10 @@ class RunTrace:
     def site(self, site: str) -> str:
         """A call site as the report shows it: relative to the script's folder."""
         return short_site(site, os.path.dirname(self.script))
+
+    def horovod_records(self, what: str) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, record) of every Horovod record of kind `what`, rank by rank, in order."""
+        return [(rank, r) for rank in self.rank_ids for r in self.ranks[rank].horovod if r.get("what") == what]
 
     def param_names(self, opt: int) -> list[str]:
         for rank in self.rank_ids:

@@ -24,6 +24,7 @@ def _rank() -> int:
 
 def main(argv: list[str]) -> None:
     """Run `argv[0]` with `argv[1:]` under the probe's hooks."""
+    from distdoctor.probe.launch.torchrun import STEPS_ENV
     from distdoctor.probe.script import protocol
 
     if not argv:
@@ -37,15 +38,17 @@ def main(argv: list[str]) -> None:
     stacks = open(protocol.stacks_path(run_dir, rank), "w")  # noqa: SIM115 - must outlive main()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
-    from distdoctor.probe.script.hooks import Probe, RecordWriter, install_horovod_hooks, install_torch_hooks
+    from distdoctor.probe.script.hooks import Probe, RecordWriter, install_torch_hooks
 
     probe = Probe(RecordWriter(protocol.records_path(run_dir, rank)), rank,
-                  int(os.environ.get(protocol.STEPS_ENV, "0") or 0), script)
+                  int(os.environ.get(STEPS_ENV, "0") or 0), script)
     probe.write(protocol.START, rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")),
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),
                 main_thread=threading.main_thread().ident, script=script)
     install_torch_hooks(probe)
     if os.environ.get(protocol.FRAMEWORK_ENV, "torch") == "horovod":
+        from distdoctor.probe.script.horovod_hooks import install as install_horovod_hooks
+
         install_horovod_hooks(probe)
 
     sys.argv = [script, *argv[1:]]

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "sampler"
@@ -34,7 +35,8 @@ def run(ctx) -> dict[str, Any]:
     return {"epochs": epochs}
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks, world_size = evidence.ranks, evidence.world_size
     size = dataset_size(world_size)
     padding = -size % world_size
     problems = []
@@ -56,3 +58,16 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
         return CheckResult(ID, "fail", "; ".join(problems), shown, details)
     return CheckResult(ID, "pass", f"{world_size} shards of {size} samples disjoint and covering; order changes per epoch",
                        shown, details)
+
+
+CHECK = Check(
+    id=ID,
+    title="DistributedSampler shards are disjoint and cover the dataset; set_epoch changes the order",
+    probe="builtin",
+    frameworks=('torch',),
+    needs=('epochs',),
+    verdict=verdict,
+    faults=FAULTS,
+    order=6,
+    run=run,
+)

@@ -1,8 +1,10 @@
 """`env`: versions, devices per rank, launcher variables and NCCL settings.
 
-Fails when two ranks on one host use the same GPU, or when ranks run different torch/NCCL builds.
+Fails when two ranks on one host use the same GPU, when ranks run different torch/CUDA/NCCL/Horovod
+builds, or when a rank sees another world size than the one launched (under Horovod: `hvd.size()`).
 Warns on NCCL settings that turn off a fast transport. Planted fault: `same-gpu` (every rank on
 GPU 0); it can only be observed on GPUs, so on CPU the verdict is tested on recorded evidence.
+The Horovod worker records the same evidence with this `run` (its world size is `hvd.size()`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import socket
 from typing import Any
 
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "env"
@@ -32,6 +35,7 @@ def run(ctx) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "backend": ctx.backend,
+        "world_size": ctx.world_size,
         "device": str(ctx.device),
         "launcher": {name: os.environ[name] for name in LAUNCHER_VARS if name in os.environ},
         "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
@@ -51,7 +55,8 @@ def run(ctx) -> dict[str, Any]:
     return evidence
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks, world_size = evidence.ranks, evidence.world_size
     shown = {str(r): ev for r, ev in sorted(ranks.items())}
     problems: list[str] = []
     gpus: dict[tuple[str, str], list[int]] = {}
@@ -62,7 +67,11 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
     for (host, gpu), sharing in sorted(gpus.items()):
         if len(sharing) > 1:
             problems.append(f"ranks {', '.join(map(str, sharing))} share one GPU ({gpu}) on {host}")
-    for key in ("torch", "cuda", "nccl"):
+    seen = sorted({ev["world_size"] for ev in ranks.values() if "world_size" in ev} - {world_size})
+    if seen:
+        what = "hvd.size()" if evidence.framework == "horovod" else "WORLD_SIZE"
+        problems.append(f"ranks disagree on {what}: {', '.join(map(str, seen))} instead of {world_size}")
+    for key in ("torch", "cuda", "nccl") + (("horovod",) if evidence.framework == "horovod" else ()):
         builds = {str(ev.get(key)) for ev in ranks.values()}
         if len(builds) > 1:
             problems.append(f"ranks run different {key} versions: {', '.join(sorted(builds))}")
@@ -74,7 +83,22 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
     what = f"torch {first.get('torch')}, {world_size} ranks on {first.get('device', '?').split(':')[0]}"
     if first.get("nccl"):
         what += f", NCCL {first['nccl']}"
+    if evidence.framework == "horovod":
+        what += f", Horovod {first.get('horovod')} (Gloo controller)"
     if slowing:
         return CheckResult(ID, "warn", f"{what}; transports disabled: {', '.join(slowing)}", shown,
                            {"slowing_nccl": slowing})
     return CheckResult(ID, "pass", f"{what}; one device per rank, same builds", shown, {})
+
+
+CHECK = Check(
+    id=ID,
+    title="versions, devices per rank, launcher variables and NCCL settings",
+    probe="builtin",
+    frameworks=("torch", "horovod"),
+    needs=("torch", "device"),
+    verdict=verdict,
+    faults=FAULTS,
+    order=0,
+    run=run,
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "bandwidth"
@@ -50,7 +51,8 @@ def bus_factor(world_size: int) -> float:
     return 2 * (world_size - 1) / world_size
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks, world_size = evidence.ranks, evidence.world_size
     table = []
     for i, row in enumerate(ranks[min(ranks)]["sizes"]):
         slowest = max(ev["sizes"][i]["time_us"] for ev in ranks.values())
@@ -67,3 +69,16 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
     if largest["busbw_GBps"] < ABSURD_BUSBW_GBPS:
         return CheckResult(ID, "warn", f"{line}: absurdly low (< {ABSURD_BUSBW_GBPS} GB/s)", shown, details)
     return CheckResult(ID, "pass", f"{line} (link peak not known here)", shown, details)
+
+
+CHECK = Check(
+    id=ID,
+    title="all_reduce time, algorithm and bus bandwidth per message size",
+    probe="builtin",
+    frameworks=('torch',),
+    needs=('sizes',),
+    verdict=verdict,
+    faults=FAULTS,
+    order=2,
+    run=run,
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "collectives"
@@ -59,7 +60,8 @@ def run(ctx) -> dict[str, Any]:
     return {"wrong_elements": wrong, "skipped": skipped}
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks = evidence.ranks
     shown: dict[str, Any] = {}
     bad: list[str] = []
     cases = 0
@@ -76,3 +78,16 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
         return CheckResult(ID, "fail", f"{len(bad)} inexact results: {'; '.join(bad[:3])}", shown, details)
     note = f" ({', '.join(f'{op} skipped' for op in skipped)})" if skipped else ""
     return CheckResult(ID, "pass", f"{cases} cases exact on every rank{note}", shown, details)
+
+
+CHECK = Check(
+    id=ID,
+    title="all_reduce, broadcast, all_gather and reduce_scatter give exact results",
+    probe="builtin",
+    frameworks=('torch',),
+    needs=('wrong_elements',),
+    verdict=verdict,
+    faults=FAULTS,
+    order=1,
+    run=run,
+)

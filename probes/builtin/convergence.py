@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "convergence"
@@ -55,7 +56,8 @@ def run(ctx) -> dict[str, Any]:
     return {"loss": losses, "reference_loss": ref_losses}
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks = evidence.ranks
     order = sorted(ranks)
     reference = ranks[order[0]]["reference_loss"]
     mean_loss = [sum(ranks[r]["loss"][i] for r in order) / len(order) for i in range(len(reference))]
@@ -73,3 +75,16 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
         return CheckResult(ID, "fail", f"the loss does not fall: {mean_loss[0]:.4g} -> {mean_loss[-1]:.4g}", shown, details)
     return CheckResult(ID, "pass", f"follows the reference for {len(reference)} steps "
                        f"(loss {mean_loss[0]:.3g} -> {mean_loss[-1]:.3g}, rtol {RTOL})", shown, details)
+
+
+CHECK = Check(
+    id=ID,
+    title="DDP training follows the single-process reference loss curve and the loss falls",
+    probe="builtin",
+    frameworks=('torch',),
+    needs=('loss', 'reference_loss'),
+    verdict=verdict,
+    faults=FAULTS,
+    order=7,
+    run=run,
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from distdoctor.probe.builtin.protocol import ranks_phrase
+from distdoctor.probe.checks import Check, Evidence
 from distdoctor.probe.report import CheckResult
 
 ID = "syncbn"
@@ -74,7 +75,8 @@ def _allreduced_batchnorm(local, layer, dist):
     return ((local.double() - mean.view(shape)) / torch.sqrt(var.view(shape) + layer.eps)).float()
 
 
-def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
+def verdict(evidence: Evidence) -> CheckResult:
+    ranks, world_size = evidence.ranks, evidence.world_size
     shown = {str(r): ev for r, ev in sorted(ranks.items())}
     details = {"rtol": RTOL, "atol": ATOL, "batch": f"{PER_RANK} x {CHANNELS} x {LENGTH} per rank"}
     off = [r for r, ev in sorted(ranks.items()) if not (ev["matches"] and ev["running_mean_matches"])]
@@ -88,3 +90,16 @@ def verdict(ranks: dict[int, dict[str, Any]], world_size: int) -> CheckResult:
                            "statistics matched BatchNorm on the global batch", shown, dict(details, reason=first["unsupported"]))
     return CheckResult(ID, "pass", f"SyncBatchNorm over {world_size} shards matches BatchNorm on the global batch",
                        shown, details)
+
+
+CHECK = Check(
+    id=ID,
+    title="SyncBatchNorm over per-rank shards matches BatchNorm over the concatenated batch",
+    probe="builtin",
+    frameworks=('torch',),
+    needs=('mode', 'matches', 'running_mean_matches'),
+    verdict=verdict,
+    faults=FAULTS,
+    order=5,
+    run=run,
+)
