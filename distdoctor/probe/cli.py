@@ -141,7 +141,12 @@ def dispatch(
 
 
 def exit_status(report: Report) -> int:
-    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted."""
+    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted.
+    A node other than node 0 judges nothing: 0 when its ranks ran and their records reached node 0."""
+    if "relayed_to" in report.extra:
+        if report.extra.get("interrupted"):
+            return EXIT_INTERRUPTED
+        return EXIT_OK if report.extra.get("launch_ok") and not report.extra.get("relay_error") else EXIT_FAILED
     if report.extra.get("interrupted") or any(c.details.get("launch", {}).get("interrupted") for c in report.checks):
         return EXIT_INTERRUPTED
     if any(check.id == "launch" and check.failed for check in report.checks):
@@ -194,6 +199,15 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
             raise click.UsageError(f"unknown check(s) {', '.join(unknown)}; built-in checks: {', '.join(CHECK_IDS)}")
         if set(faults) - set(FAULTS):
             raise click.UsageError(f"unknown fault(s) {', '.join(sorted(set(faults) - set(FAULTS)))}")
+    if nnodes == 1 and rdzv_endpoint is None:
+        from distdoctor.probe.launch.slurm import slurm_nodes
+
+        try:
+            slurm = slurm_nodes(os.environ)
+        except ValueError as exc:
+            raise click.UsageError(f"{exc}: give --nnodes, --node-rank and --rdzv-endpoint") from None
+        if slurm is not None:  # `srun distdoctor probe ...`: one task per node
+            nnodes, node_rank, rdzv_endpoint = slurm.nnodes, slurm.node_rank, slurm.rdzv_endpoint
     spec = resolve_spec(gpus=gpus, nproc=nproc, backend=backend, nnodes=nnodes, node_rank=node_rank,
                         rdzv_endpoint=rdzv_endpoint, timeout=timeout)
     try:
