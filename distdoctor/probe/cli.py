@@ -164,7 +164,12 @@ def validate_selection(script: str | None, framework: str, checks: Sequence[str]
 
 
 def exit_status(report: Report) -> int:
-    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted."""
+    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted.
+    A node other than node 0 judges nothing: 0 when its ranks ran and their records reached node 0."""
+    if "relayed_to" in report.extra:
+        if report.extra.get("interrupted"):
+            return EXIT_INTERRUPTED
+        return EXIT_OK if report.extra.get("launch_ok") and not report.extra.get("relay_error") else EXIT_FAILED
     if report.extra.get("interrupted") or any(c.details.get("launch", {}).get("interrupted") for c in report.checks):
         return EXIT_INTERRUPTED
     if any(check.id == "launch" and check.failed for check in report.checks):
@@ -213,6 +218,15 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
         validate_selection(script, framework, wanted_checks, faults)
     except CatalogError as exc:
         raise click.UsageError(str(exc)) from None
+    if nnodes == 1 and rdzv_endpoint is None:
+        from distdoctor.probe.launch.slurm import slurm_nodes
+
+        try:
+            slurm = slurm_nodes(os.environ)
+        except ValueError as exc:
+            raise click.UsageError(f"{exc}: give --nnodes, --node-rank and --rdzv-endpoint") from None
+        if slurm is not None:  # `srun distdoctor probe ...`: one task per node
+            nnodes, node_rank, rdzv_endpoint = slurm.nnodes, slurm.node_rank, slurm.rdzv_endpoint
     spec = resolve_spec(gpus=gpus, nproc=nproc, backend=backend, nnodes=nnodes, node_rank=node_rank,
                         rdzv_endpoint=rdzv_endpoint, timeout=timeout)
     try:

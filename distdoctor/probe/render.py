@@ -34,10 +34,17 @@ def _evidence_lines(check: CheckResult) -> list[str]:
 
 def render_text(report: Report, *, evidence: bool = True) -> str:
     """The report as a table (check, status, finding) followed by evidence per rank."""
+    if "relayed_to" in report.extra:
+        return render_relayed(report)
     width = max([len(c.id) for c in report.checks] + [5])
     head = (f"distdoctor probe ({report.mode}): {report.world_size} ranks, {report.backend}, "
             f"{report.duration_s:.1f} s: {'OK' if report.ok else 'PROBLEMS FOUND'}")
-    rows = [head, "", f"{'check':<{width}}  {'status':<6} finding"]
+    rows = [head]
+    hosts = report.extra.get("hosts")
+    if hosts:
+        rows.append("ranks per host: " + "; ".join(f"{host}: {','.join(map(str, ranks))}" for host, ranks in hosts.items()))
+    rows += [f"lost: {lost}" for lost in report.extra.get("nodes_lost", ())]
+    rows += ["", f"{'check':<{width}}  {'status':<6} finding"]
     rows += [f"{c.id:<{width}}  {c.status.upper():<6} {c.summary}" for c in report.checks]
     if evidence:
         rows += ["", "evidence per rank:"]
@@ -46,3 +53,15 @@ def render_text(report: Report, *, evidence: bool = True) -> str:
                 rows.append(f"  {check.id}:")
                 rows += _evidence_lines(check)
     return "\n".join(rows) + "\n"
+
+
+def render_relayed(report: Report) -> str:
+    """What a node other than node 0 says: where its ranks' records went, and how its launch ended."""
+    extra = report.extra
+    lines = [f"distdoctor probe (script): node {extra['node_rank']}: its ranks' records went to node 0 "
+             f"({extra['relayed_to']}); the report is printed there."]
+    if extra.get("relay_error"):
+        lines.append(f"warning: {extra['relay_error']}: node 0 may judge this node on partial records")
+    if not extra.get("launch_ok", True):
+        lines.append(f"this node's launch: {extra.get('launch_failure')}")
+    return "\n".join(lines) + "\n"

@@ -92,12 +92,16 @@ class LaunchResult:
     rank_errors: dict[int, str]
     output: str
     launcher: str = "torchrun"
+    # Several nodes: this node and the rendezvous it had to reach, to name them when it could not.
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
 
     @classmethod
-    def of(cls, run: TreeRun, rank_exitcodes: dict[int, int], rank_errors: dict[int, str], launcher: str) -> LaunchResult:
+    def of(cls, run: TreeRun, rank_exitcodes: dict[int, int], rank_errors: dict[int, str], launcher: str,
+           spec: LaunchSpec | None = None) -> LaunchResult:
         """The result of `run`, with the per-rank outcome the launcher's own output and logs give."""
         return cls(run.returncode, run.timed_out, run.interrupted, run.duration_s, rank_exitcodes, rank_errors,
-                   run.output, launcher)
+                   run.output, launcher, spec.node_rank if spec else 0, spec.rdzv_endpoint if spec else None)
 
     @property
     def ok(self) -> bool:
@@ -117,6 +121,9 @@ class LaunchResult:
         port_error = port_in_use_message(self.output) if self.launcher == "torchrun" else ""
         if port_error:
             return port_error
+        if self.rdzv_endpoint and _RENDEZVOUS_FAILED.search(self.output):
+            return (f"node {self.node_rank} could not rendezvous at {self.rdzv_endpoint}: is node 0 started with "
+                    "the same --nnodes and --rdzv-endpoint, and is that address reachable from here?")
         failed = {rank: code for rank, code in self.rank_exitcodes.items() if code != 0}
         if failed:
             parts = [f"rank {rank} exited with {describe_exitcode(code)}" for rank, code in sorted(failed.items())]
@@ -160,6 +167,11 @@ def torchrun_command(spec: LaunchSpec, target: Sequence[str]) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={spec.rdzv_endpoint}",
             f"--rdzv-id={DEFAULT_RDZV_ID}",
+            # Node 0 hosts the rendezvous store because it is node 0, not because torchrun matched
+            # the endpoint to one of its host names (an IP address or an alias does not match), and
+            # a node that cannot join says so well inside the probe's wall clock.
+            f"--rdzv-conf=is_host={int(spec.node_rank == 0)},join_timeout={rendezvous_timeout_s(spec.timeout_s)},"
+            f"read_timeout={rendezvous_timeout_s(spec.timeout_s)}",
         ]
     # One attempt: a probe reports a failure, it does not hide it behind a restart.
     cmd.append("--max-restarts=0")
@@ -196,10 +208,16 @@ def launch(
         rank_exitcodes = _exitcodes_from_summary(run.output)
         if run.returncode == 0 and not (run.timed_out or run.interrupted) and spec.nnodes == 1:
             rank_exitcodes = {rank: 0 for rank in range(spec.nproc)}
-        return LaunchResult.of(run, rank_exitcodes, _rank_errors(logs, run.output, spec), "torchrun")
+        return LaunchResult.of(run, rank_exitcodes, _rank_errors(logs, run.output, spec), "torchrun", spec)
     finally:
         if own_log_dir:
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def rendezvous_timeout_s(timeout_s: float) -> int:
+    """How long nodes wait for each other at the rendezvous: a share of the wall clock, so a node
+    that cannot be reached is reported before the whole probe times out."""
+    return int(max(10.0, min(120.0, timeout_s * 0.4)))
 
 
 def collective_timeout_s(timeout_s: float) -> float:
@@ -396,6 +414,8 @@ def _check_rendezvous_port(spec: LaunchSpec) -> None:
             ) from None
 
 
+_RENDEZVOUS_FAILED = re.compile(r"RendezvousTimeoutError|RendezvousConnectionError|RendezvousClosedError|"
+                                r"connection to the C10d store has failed", re.IGNORECASE)
 _PORT_IN_USE = re.compile(r"(address already in use|EADDRINUSE)", re.IGNORECASE)
 
 

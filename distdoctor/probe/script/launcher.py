@@ -8,9 +8,9 @@ How the pieces meet:
   budget and the framework travel in the environment (`protocol`);
 - each rank appends its observations to `<run dir>/rank<R>.jsonl` (the Horovod hooks add theirs).
   Ranks are compared here, from those files, never with a collective: a desynchronised job is
-  diagnosed, not made worse. Files rather than a TCP store because they survive a rank being
-  killed and need no extra port; a multi-node run needs the run directory on a shared filesystem
-  (`DISTDOCTOR_RUN_DIR`);
+  diagnosed, not made worse. Files survive a rank being killed. On several nodes each node's
+  files travel to node 0 as they grow (`distdoctor.probe.launch.relay`, beside the rendezvous, no
+  shared filesystem needed), and node 0 judges the whole job;
 - while the job runs, `watch.StallWatcher` follows the files and ends a stalled job;
 - the records become one `RunTrace`, which carries the framework, and every selected check gives
   its verdict on it: a check that reads Horovod's records does so itself.
@@ -19,6 +19,7 @@ How the pieces meet:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 from distdoctor.probe.checks import FRAMEWORKS, Check, select_checks
 from distdoctor.probe.launch import horovodrun
+from distdoctor.probe.launch.relay import RelayOutcome, finish_relay, start_relay
 from distdoctor.probe.launch.torchrun import STEPS_ENV, LaunchError, LaunchResult, LaunchSpec, launch
 from distdoctor.probe.report import CheckResult, Report
 from distdoctor.probe.script import protocol
@@ -45,6 +47,7 @@ class ScriptRun:
     trace: RunTrace
     checks: tuple[CheckResult, ...]
     duration_s: float
+    relay: RelayOutcome | None = None  # several nodes: what travelled to node 0
 
 
 def run_script_probe(
@@ -85,8 +88,25 @@ def run_script_probe(
     else:
         backend = next((t.backend for t in run.trace.ranks.values() if t.backend), spec.backend)
     extra.update(overhead=overhead(run.trace), interrupted=run.launch.interrupted)
+    if run.relay is not None and spec.node_rank != 0:
+        # This node only carried its ranks' records: node 0 judges and prints the report.
+        extra.update(node_rank=spec.node_rank, relayed_to=run.relay.address, relay_error=run.relay.error,
+                     launch_ok=run.launch.ok, launch_failure=run.launch.failure_message())
+        return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes,
+                      duration_s=run.duration_s, checks=(), extra=extra)
+    if run.relay is not None and run.relay.missing_nodes:
+        extra["nodes_lost"] = [
+            f"node {node}" + (f" ({run.relay.hosts[node]})" if run.relay.hosts.get(node) else "")
+            + " did not finish reporting to node 0: its ranks' records end where it stopped"
+            for node in run.relay.missing_nodes
+        ]
+    hosts = {rank: t.host for rank, t in run.trace.ranks.items() if t.host}
+    checks = run.checks
+    if len(set(hosts.values())) > 1:
+        extra["hosts"] = ranks_per_host(hosts)
+        checks = tuple(replace(check, summary=name_hosts(check.summary, hosts)) for check in checks)
     return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=run.duration_s,
-                  checks=run.checks, extra=extra)
+                  checks=checks, extra=extra)
 
 
 def _start_ranks(framework: str, spec: LaunchSpec, target: Sequence[str], *, echo: bool) -> LaunchResult:
@@ -95,6 +115,29 @@ def _start_ranks(framework: str, spec: LaunchSpec, target: Sequence[str], *, ech
         env = {**spec.env, "WORLD_SIZE": str(spec.nproc)}
         return horovodrun.launch_horovod(spec.nproc, target, timeout_s=spec.timeout_s, env=env, echo=echo)
     return launch(spec, target, echo=echo)
+
+
+def ranks_per_host(hosts: dict[int, str]) -> dict[str, list[int]]:
+    """{host: [ranks]} in rank order."""
+    grouped: dict[str, list[int]] = {}
+    for rank in sorted(hosts):
+        grouped.setdefault(hosts[rank], []).append(rank)
+    return grouped
+
+
+_RANKS_IN_TEXT = re.compile(r"\b(rank\(s\)|ranks|rank) (\d+(?:(?:, ?|,| and )\d+)*)")
+
+
+def name_hosts(text: str, hosts: dict[int, str]) -> str:
+    """'rank 3 differs from rank 0' -> 'rank 3 (node-b) differs from rank 0 (node-a)': on several
+    hosts, every rank a finding names is named with its host."""
+
+    def annotate(match: re.Match) -> str:
+        ranks = [int(r) for r in re.findall(r"\d+", match.group(2))]
+        names = sorted({hosts[r] for r in ranks if r in hosts})
+        return f"{match.group(0)} ({', '.join(names)})" if names else match.group(0)
+
+    return _RANKS_IN_TEXT.sub(annotate, text)
 
 
 def observe_script(
@@ -123,25 +166,36 @@ def observe_script(
     env = {**spec.env, protocol.RUN_DIR_ENV: str(run_dir), STEPS_ENV: str(steps), protocol.FRAMEWORK_ENV: framework}
     watcher = StallWatcher(run_dir, script, spec.timeout_s)
     started = time.monotonic()
+    try:
+        relay = start_relay(run_dir, spec.nnodes, spec.node_rank, spec.rdzv_endpoint)
+    except OSError as exc:
+        raise LaunchError(str(exc)) from None
     watcher.start()
     try:
         result = _start_ranks(framework, replace(spec, env=env), ["-m", protocol.RUN_MODULE, script, *script_args],
                               echo=log_file is None)
     finally:
         stall = watcher.stop()
+        relayed = finish_relay(relay, spec.nnodes, spec.node_rank) if relay is not None else None
     duration = time.monotonic() - started
     if log_file:
         Path(log_file).write_text(result.output)
+    failure = result.failure_message()
+    if relayed is not None and relayed.missing_nodes:
+        lost = ", ".join(f"node {node}" + (f" ({relayed.hosts[node]})" if relayed.hosts.get(node) else "")
+                         for node in relayed.missing_nodes)
+        failure = "; ".join(filter(None, [failure, f"{lost} did not finish reporting to node 0: its records end where it stopped"]))
     try:
         trace = RunTrace.load(run_dir, script, spec.nproc * spec.nnodes, steps, framework=framework, stall=stall,
-                              timed_out=result.timed_out, launch_failure=result.failure_message(),
-                              rank_errors=result.rank_errors)
+                              timed_out=result.timed_out, launch_failure=failure, rank_errors=result.rank_errors)
+        # Node 0 judges the whole job; the other nodes only carried their ranks' records there.
+        judged = relayed is None or spec.node_rank == 0
         selected = tuple(checks) if checks is not None else select_checks("script", framework)
-        verdicts = tuple(check.judge(trace) for check in selected)
+        verdicts = tuple(check.judge(trace) for check in selected) if judged else ()
     finally:
         if not keep_run_dir and protocol.RUN_DIR_ENV not in os.environ:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return ScriptRun(script=script, launch=result, trace=trace, checks=verdicts, duration_s=duration)
+    return ScriptRun(script=script, launch=result, trace=trace, checks=verdicts, duration_s=duration, relay=relayed)
 
 
 def overhead(trace: RunTrace) -> dict[str, Any]:

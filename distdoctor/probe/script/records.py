@@ -57,6 +57,7 @@ class RankTrace:
     rank: int
     pid: int | None = None
     main_thread: int | None = None
+    host: str | None = None
     backend: str | None = None
     steps: list[Step] = field(default_factory=list)
     optimizers: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -73,7 +74,7 @@ class RankTrace:
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("e")
         if kind == protocol.START:
-            self.pid, self.main_thread = record.get("pid"), record.get("main_thread")
+            self.pid, self.main_thread, self.host = record.get("pid"), record.get("main_thread"), record.get("host")
         elif kind == "pg":
             self.backend = record.get("backend")
         elif kind == protocol.STEP:

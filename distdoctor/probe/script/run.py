@@ -11,6 +11,7 @@ import faulthandler
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> None:
     probe = Probe(RecordWriter(protocol.records_path(run_dir, rank)), rank,
                   int(os.environ.get(STEPS_ENV, "0") or 0), script)
     probe.write(protocol.START, rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")),
-                local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(), host=socket.gethostname(),
                 main_thread=threading.main_thread().ident, script=script)
     install_torch_hooks(probe)
     if os.environ.get(protocol.FRAMEWORK_ENV, "torch") == "horovod":
