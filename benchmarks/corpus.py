@@ -36,6 +36,8 @@ from typing import Any, Iterable, Mapping, TextIO
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 ENV_CACHE = "DISTDOCTOR_CORPUS"
 DEFAULT_CACHE = Path("~/.cache/distdoctor/corpus")
+GITHUB = "https://github.com"
+RAW = "https://raw.githubusercontent.com"
 
 AREAS = frozenset(
     "vision detection segmentation nlp llm speech diffusion gan rl ssl recsys multimodal video 3d other".split()
@@ -269,7 +271,7 @@ def _write(target: Path, data: bytes) -> None:
 
 
 def _raw_url(repo: str, commit: str, path: str) -> str:
-    return f"https://raw.githubusercontent.com/{repo}/{commit}/{urllib.request.quote(path)}"
+    return f"{RAW}/{repo}/{commit}/{urllib.request.quote(path)}"
 
 
 def _download(repo: str, commit: str, path: str, timeout: float) -> bytes:
@@ -283,7 +285,7 @@ def _fetch_with_git(repo: str, commit: str, paths: list[str], timeout: float) ->
     with tempfile.TemporaryDirectory(prefix="distdoctor-corpus-") as tmp:
         clone = Path(tmp) / "repo"
         subprocess.run(
-            ["git", "clone", "-q", "--filter=blob:none", "--no-checkout", f"https://github.com/{repo}", str(clone)],
+            ["git", "clone", "-q", "--filter=blob:none", "--no-checkout", f"{GITHUB}/{repo}", str(clone)],
             check=True, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
             env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
         )
@@ -324,7 +326,8 @@ def fetch(
             try:
                 got = _fetch_with_git(repo, commit, paths, timeout)
             except subprocess.CalledProcessError as exc:
-                problem = f"git clone failed: {exc.stderr.decode(errors='replace').strip().splitlines()[-1:] or exc}"
+                said = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
+                problem = f"git clone failed: {said[-1] if said else exc}"
             except (subprocess.TimeoutExpired, OSError) as exc:
                 problem = f"git clone failed: {exc}"
         for path in paths:

@@ -283,7 +283,8 @@ def main_corpus(args) -> int:
     findings, absent, errors = lint_corpus(cache, entries, args.jobs)
     present = len(entries) - len(absent)
     if present == 0:
-        print(f"corpus: none of the {len(entries)} manifest files is in {cache} (run with --fetch)", file=sys.stderr)
+        hint = "nothing could be fetched (see above)" if args.fetch else "run with --fetch"
+        print(f"corpus: none of the {len(entries)} manifest files is in {cache} ({hint})", file=sys.stderr)
         return 2
     for error in errors:
         print(f"corpus: {error}", file=sys.stderr)

@@ -211,6 +211,36 @@ def test_fetch_reports_an_unreachable_repository_and_goes_on(tmp_path, monkeypat
     assert [e.path for e in corpus.missing(tmp_path, entries)] == ["a.py", "b.py"]
 
 
+def test_fetch_through_git_from_a_local_remote(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    work = tmp_path / "remote" / "own" / "name"
+    work.mkdir(parents=True)
+    (work / "pkg").mkdir()
+    (work / "pkg" / "train.py").write_text("print('v1')\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(work), *args], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = git("rev-parse", "HEAD").strip()
+    (work / "pkg" / "train.py").write_text("print('v2')\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    monkeypatch.setattr(corpus, "GITHUB", (tmp_path / "remote").as_uri())
+    monkeypatch.setattr(corpus, "_download", lambda *a: (_ for _ in ()).throw(corpus.urllib.error.URLError("offline")))
+    cache = tmp_path / "cache"
+    entries = [corpus.Entry("own/name", first, "pkg/train.py", "vision", "ddp"), corpus.Entry("own/name", first, "nope.py", "vision", "ddp")]
+    out = io.StringIO()
+    assert corpus.fetch(cache, entries, out=out, use_git=True) == (1, 1)
+    assert corpus.cache_path(cache, "own/name", first, "pkg/train.py").read_text() == "print('v1')\n"  # the pinned commit
+    assert "1 of 2 files not fetched" in out.getvalue() and "nope.py" in out.getvalue()
+
+
 # --- realworld.py --corpus on a two-file corpus ----------------------------------------------
 
 SCRIPT = textwrap.dedent(
