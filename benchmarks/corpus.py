@@ -180,7 +180,11 @@ def _files(directory: Path, suffix: str) -> list[Path]:
 
 
 def load_manifest(directory: Path = CORPUS_DIR) -> list[Entry]:
-    """Every entry of every `*.manifest.jsonl` in `directory`; a file listed twice is an error."""
+    """Every entry of every `*.manifest.jsonl` in `directory`, each pinned file once.
+
+    A file listed twice in one manifest is an error; the same pinned file in two shards' manifests
+    is one file of the corpus (shards are written independently and may overlap).
+    """
     entries: list[Entry] = []
     seen: dict[FileKey, str] = {}
     for file in _files(directory, ".manifest.jsonl"):
@@ -194,7 +198,9 @@ def load_manifest(directory: Path = CORPUS_DIR) -> list[Entry]:
                 raise CorpusError(f"{where}: stack {stack!r} is not one of {', '.join(sorted(STACKS))}")
             entry = Entry(repo, commit, path, area, stack, where)
             if entry.key in seen:
-                raise CorpusError(f"{where}: {repo}@{commit[:10]}:{path} is already listed at {seen[entry.key]}")
+                if seen[entry.key].split(":")[0] == file.name:
+                    raise CorpusError(f"{where}: {repo}@{commit[:10]}:{path} is already listed at {seen[entry.key]}")
+                continue  # the same pinned file in two shards: one file of the corpus
             seen[entry.key] = where
             entries.append(entry)
     return entries

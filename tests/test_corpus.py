@@ -79,11 +79,16 @@ def test_bad_manifest_lines_are_named_with_file_and_line(tmp_path, line, message
     assert str(info.value).startswith("a.manifest.jsonl:2:")
 
 
-def test_a_file_listed_twice_is_an_error(tmp_path):
-    write_jsonl(tmp_path / "a.manifest.jsonl", [entry()])
-    write_jsonl(tmp_path / "b.manifest.jsonl", [entry()])
-    with pytest.raises(corpus.CorpusError, match="already listed at a.manifest.jsonl:1"):
+def test_a_file_listed_twice_in_one_manifest_is_an_error(tmp_path):
+    write_jsonl(tmp_path / "a.manifest.jsonl", [entry(), entry("other.py"), entry()])
+    with pytest.raises(corpus.CorpusError, match="a.manifest.jsonl:3: .* already listed at a.manifest.jsonl:1"):
         corpus.load_manifest(tmp_path)
+
+
+def test_the_same_file_in_two_shards_counts_once(tmp_path):
+    write_jsonl(tmp_path / "a.manifest.jsonl", [entry()])
+    write_jsonl(tmp_path / "b.manifest.jsonl", [entry(), entry("own.py")])
+    assert [e.path for e in corpus.load_manifest(tmp_path)] == ["train.py", "own.py"]
 
 
 def test_missing_corpus_folder_is_a_clear_error(tmp_path):
