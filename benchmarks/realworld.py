@@ -9,8 +9,18 @@ depends on the rules alone. The output lists the count per rule, then every find
 (code, path:line, message), then the number of files and files per second. Folders named like
 `<owner>+<repo>` (the layout of a corpus fetched for this check) are summarised per repository.
 
-Read the findings against the code: this script reports, it does not judge. Judgements (true or
-false positive) belong in the issue note of the real-world check.
+Read the findings against the code: this script reports, it does not judge.
+
+The judged corpus (benchmarks/corpus/, see benchmarks/corpus.py):
+
+    python benchmarks/realworld.py --fetch            # materialise missing files, then score
+    python benchmarks/realworld.py --corpus --cache DIR
+
+lints every manifest file found in the cache with the default-on rules (as `distdoctor lint` does
+without configuration) and prints per rule the findings, judged true and false positives, unjudged
+findings and the precision, the overall line, then the findings nobody judged yet (new) and the
+judgments whose finding is gone. The cache is `--cache`, else $DISTDOCTOR_CORPUS, else
+~/.cache/distdoctor/corpus.
 
 Standard library and distdoctor only.
 """
@@ -27,7 +37,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from distdoctor.lint.engine import SKIPPED_DIRS, lint_source, read_source
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus as corpus_data  # noqa: E402  (benchmarks/corpus.py, standard library only)
+
+from distdoctor.lint.config import Config
+from distdoctor.lint.engine import SKIPPED_DIRS, lint, lint_source, read_source
 from distdoctor.lint.finding import Finding
 from distdoctor.lint.rule import all_rules
 
@@ -178,12 +192,127 @@ def _line_count(outcomes: list[FileOutcome]) -> int:
     return total
 
 
+# --------------------------------------------------------------------------------------------
+# The judged corpus
+
+
+def lint_corpus(cache: Path, entries: list[corpus_data.Entry], jobs: int) -> tuple[list[dict], list[corpus_data.Entry], list[str]]:
+    """Default-on findings of every manifest file present in the cache, keyed by repo/commit/path."""
+    present = [e for e in entries if corpus_data.cache_path(cache, e.repo, e.commit, e.path).is_file()]
+    absent = [e for e in entries if e not in present]
+    by_path = {str(corpus_data.cache_path(cache, e.repo, e.commit, e.path)): e for e in present}
+    if not by_path:
+        return [], absent, []
+    result = lint(list(by_path), Config(cache=False), jobs=jobs)
+    findings = []
+    for f in result.findings:
+        entry = by_path.get(f.path)
+        if entry is None:
+            continue
+        findings.append(
+            {"repo": entry.repo, "commit": entry.commit, "path": entry.path, "line": f.line, "code": f.code, "message": f.message}
+        )
+    return findings, absent, list(result.errors)
+
+
+def _precision(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def report_corpus(scores: dict, findings: list[dict], present: int, absent: int, misses: int, out) -> None:
+    messages = {corpus_data.finding_key(f): f["message"] for f in findings}
+    print(f"Corpus: {present} files linted, {absent} manifest files not in the cache, {misses} recorded misses", file=out)
+    print(f"  {'code':<6} {'findings':>8} {'TP':>5} {'FP':>5} {'unjudged':>8} {'precision':>9} {'gone':>5}", file=out)
+    for code, s in scores.items():
+        if code == "ALL":
+            print(f"  {'-' * 6} {'-' * 8} {'-' * 5} {'-' * 5} {'-' * 8} {'-' * 9} {'-' * 5}", file=out)
+            code = "all"
+        print(
+            f"  {code:<6} {s.findings:>8} {s.tp:>5} {s.fp:>5} {s.unjudged:>8} {_precision(s.precision):>9} {len(s.gone):>5}",
+            file=out,
+        )
+    total = scores["ALL"]
+    print(file=out)
+    print(f"New findings (not judged yet): {len(total.new)}", file=out)
+    for key in total.new:
+        repo, commit, path, line, code = key
+        print(f"  {code} {repo}@{commit[:10]} {path}:{line}: {messages.get(key, '')}", file=out)
+    print(f"Gone (judged, no longer found): {len(total.gone)}", file=out)
+    for j in total.gone:
+        print(f"  {j.code} {j.repo}@{j.commit[:10]} {j.path}:{j.line}: was {j.verdict}: {j.reason}", file=out)
+
+
+def corpus_json(scores: dict, findings: list[dict], present: int, absent: int, out) -> None:
+    messages = {corpus_data.finding_key(f): f["message"] for f in findings}
+    payload = {
+        "files": present,
+        "not_in_cache": absent,
+        "per_rule": {
+            code: {"findings": s.findings, "tp": s.tp, "fp": s.fp, "unjudged": s.unjudged, "precision": s.precision, "gone": len(s.gone)}
+            for code, s in scores.items()
+        },
+        "new": [
+            {"repo": k[0], "commit": k[1], "path": k[2], "line": k[3], "code": k[4], "message": messages.get(k, "")}
+            for k in scores["ALL"].new
+        ],
+        "gone": [
+            {"repo": j.repo, "commit": j.commit, "path": j.path, "line": j.line, "code": j.code, "verdict": j.verdict, "reason": j.reason}
+            for j in scores["ALL"].gone
+        ],
+    }
+    json.dump(payload, out, indent=1)
+    out.write("\n")
+
+
+def main_corpus(args) -> int:
+    cache = corpus_data.cache_root(args.cache)
+    directory = Path(args.corpus_dir) if args.corpus_dir else corpus_data.CORPUS_DIR
+    try:
+        entries = corpus_data.load_manifest(directory)
+        judgments = corpus_data.load_judgments(directory)
+        misses = corpus_data.load_misses(directory)
+    except corpus_data.CorpusError as exc:
+        print(f"corpus: {exc}", file=sys.stderr)
+        return 2
+    if not entries:
+        print(f"corpus: no *.manifest.jsonl entries in {directory}", file=sys.stderr)
+        return 2
+    if args.fetch:
+        fetched, failed = corpus_data.fetch(cache, entries)
+        print(f"corpus: fetched {fetched} files into {cache}, {failed} could not be fetched", file=sys.stderr)
+    findings, absent, errors = lint_corpus(cache, entries, args.jobs)
+    present = len(entries) - len(absent)
+    if present == 0:
+        hint = "nothing could be fetched (see above)" if args.fetch else "run with --fetch"
+        print(f"corpus: none of the {len(entries)} manifest files is in {cache} ({hint})", file=sys.stderr)
+        return 2
+    for error in errors:
+        print(f"corpus: {error}", file=sys.stderr)
+    linted = [e.key for e in entries if e not in absent]
+    scores = corpus_data.score(findings, judgments, linted)
+    if args.json:
+        corpus_json(scores, findings, present, len(absent), sys.stdout)
+    else:
+        report_corpus(scores, findings, present, len(absent), len(misses), sys.stdout)
+    return 1 if errors else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="folders (walked for *.py) or files")
+    parser.add_argument("paths", nargs="*", help="folders (walked for *.py) or files")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--corpus", action="store_true", help="score the judged corpus (benchmarks/corpus/) from the cache")
+    parser.add_argument("--fetch", action="store_true", help="materialise missing corpus files first (implies --corpus)")
+    parser.add_argument("--cache", help=f"corpus cache folder (default: ${corpus_data.ENV_CACHE} or {corpus_data.DEFAULT_CACHE})")
+    parser.add_argument("--corpus-dir", help="folder of the *.manifest.jsonl / *.judgments.jsonl files (default: benchmarks/corpus)")
     args = parser.parse_args(argv)
+    if args.corpus or args.fetch:
+        if args.paths:
+            parser.error("--corpus/--fetch take no paths: the manifest says which files")
+        return main_corpus(args)
+    if not args.paths:
+        parser.error("give folders or files to lint, or --corpus")
     paths = python_files(args.paths)
     if not paths:
         print("no *.py files found", file=sys.stderr)
