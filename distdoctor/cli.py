@@ -227,3 +227,12 @@ def _register_probe() -> None:
 
 
 _register_probe()
+
+
+def _register_stacks() -> None:
+    from distdoctor.probe.stacks.cli import stacks
+
+    main.add_command(stacks)
+
+
+_register_stacks()
