@@ -297,8 +297,9 @@ class Guard:
     line: int
     orelse: bool = False
 
-    def describe(self) -> str:
-        return f"in the else branch of `if {self.test}` (line {self.line})" if self.orelse else f"under `if {self.test}` (line {self.line})"
+    def describe(self, where: str | None = None) -> str:
+        where = where or f"line {self.line}"
+        return f"in the else branch of `if {self.test}` ({where})" if self.orelse else f"under `if {self.test}` ({where})"
 
 
 @lru_cache(maxsize=256)
@@ -356,6 +357,9 @@ def short_path(path: str, root: str | None = None) -> str:
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in norm:
             return norm.split(marker, 1)[1]
+    stdlib = _STDLIB.search(path)
+    if stdlib:
+        return path[stdlib.end():]
     for base in (root, os.getcwd()):
         if base:
             base = os.path.abspath(base) + os.sep
@@ -430,6 +434,7 @@ class Group:
     activity: Activity
     moved: bool
     guard: tuple[Frame, Guard] | None
+    in_hung_job: bool = False
 
     @property
     def names(self) -> str:
@@ -438,8 +443,17 @@ class Group:
     def describe(self, root: str | None = None) -> str:
         a = self.activity
         verb = "is" if len(self.ranks) == 1 else "are"
+        steps = sorted({r.step for r in self.ranks if r.step is not None})
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else ""
+        if self.moved and not self.in_hung_job:
+            return f"{self.names} {verb} progressing" + (f" ({span})" if span else "")
         if self.moved:
-            head = f"{self.names} {verb} progressing"
+            still = "its stack moves" if len(self.ranks) == 1 else "their stacks move"
+            head = (f"{self.names} {verb} not in a collective: {a.describe()} ({still}"
+                    + (f", {span} does not advance" if span and not any(len({x for x in r.steps if x is not None}) > 1 for r in self.ranks) else "")
+                    + ")")
+            if a.in_collective:
+                head = f"{self.names} {verb} moving ({still}), last seen in {a.describe()}"
         elif a.in_collective:
             head = f"{self.names} {'waits' if len(self.ranks) == 1 else 'wait'} in {a.describe()}"
         else:
@@ -450,7 +464,7 @@ class Group:
             head += f", at {site_text(a.inner, root)}"
         if self.guard is not None:
             frame, guard = self.guard
-            head += f", {guard.describe()}" if frame == a.user else f", {guard.describe()} in {short_path(frame.file, root)}"
+            head += f", {guard.describe()}" if frame == a.user else f", {guard.describe(f'{short_path(frame.file, root)}:{guard.line} in {frame.func}')}"
         return head
 
 
@@ -480,22 +494,31 @@ class Verdict:
     unread: tuple[RankStacks, ...] = ()
 
 
-def group_ranks(ranks: Sequence[RankStacks]) -> list[Group]:
-    """Ranks with identical Python stacks together (progressing ranks in one group); the odd group first."""
+def group_ranks(ranks: Sequence[RankStacks], hung: bool = False) -> list[Group]:
+    """Ranks with identical Python stacks together, the odd group first.
+
+    Ranks whose stacks move form one "progressing" group in a job that runs; in a hung job they are
+    grouped by what they do and where (a rank spinning in a loop while the others wait), and come
+    first: a rank that moves but never reaches the collective the others wait in is the usual cause."""
     buckets: dict[object, list[RankStacks]] = {}
     for rank in ranks:
-        key: object = "moved" if rank.moved else signature(rank.frames)
+        if rank.moved:
+            a = rank.activity
+            key: object = ("moved", a.kind, a.user.site if a.user else None) if hung else "moved"
+        else:
+            key = signature(rank.frames)
         buckets.setdefault(key, []).append(rank)
     groups = []
     for members in buckets.values():
         first = members[0]
-        groups.append(Group(tuple(sorted(members, key=_rank_order)), first.activity, first.moved,
-                            None if first.moved else guard_of(first.frames)))
+        guard = guard_of(first.frames) if hung or not first.moved else None
+        groups.append(Group(tuple(sorted(members, key=_rank_order)), first.activity, first.moved, guard, hung))
 
     def order(group: Group) -> tuple:
-        # The usual cause first: a stuck rank outside any collective, then a collective under a rank
-        # guard, then the smaller group (the odd one); progressing ranks last.
-        return (group.moved, group.activity.in_collective, group.guard is None, len(group.ranks), _rank_order(group.ranks[0]))
+        # The usual cause first: a rank elsewhere (moving, or stuck outside any collective), then a
+        # collective under a rank guard, then the smaller group (the odd one).
+        elsewhere = not group.activity.in_collective or group.moved
+        return (not (hung and group.moved), not elsewhere, group.guard is None, len(group.ranks), _rank_order(group.ranks[0]))
 
     return sorted(groups, key=order)
 
@@ -510,10 +533,9 @@ def diagnose(ranks: Sequence[RankStacks], world_size: int | None = None, root: s
     unread = tuple(r for r in ranks if r not in read)
     if not read:
         return Verdict(False, "no rank could be read", (), unread)
-    groups = group_ranks(read)
-    stuck = [g for g in groups if not g.moved]
-    waiting = [g for g in stuck if g.activity.in_collective]
-    if not waiting:
+    hung = any(r.activity.in_collective and not r.moved for r in read)
+    groups = group_ranks(read, hung)
+    if not hung:
         if all(g.moved for g in groups):
             summary = f"all {len(read)} ranks progressing: nothing hung"
         else:

@@ -62,7 +62,7 @@ def _group_text(group: Group, verbose: bool) -> list[str]:
             where = site_text(user) if user else "no Python stack"
             source = source_line(user) if user else ""
             out.append(f"      child pid {pid} (DataLoader worker or subprocess): {where}" + (f": {source}" if source else ""))
-    if group.moved:
+    if group.moved and not group.in_hung_job:
         return out
     for line in _stack_lines(group.ranks[0].frames, verbose):
         out.append(f"      {line}")
