@@ -36,6 +36,9 @@ PTRACE_HINT = (
 )
 
 
+INSTALL = "Install it with `pip install 'distdoctor[stacks]'` (or `pip install py-spy`)."
+
+
 class SamplerMissing(Exception):
     """py-spy cannot be found (exit status 2 in the CLI)."""
 
@@ -73,10 +76,8 @@ def find_py_spy(explicit: str | None = None) -> str:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
         if candidate and candidate in (explicit, os.environ.get("DISTDOCTOR_PY_SPY")):
-            raise SamplerMissing(f"py-spy not found at {candidate}")
-    raise SamplerMissing(
-        "py-spy is not installed: `distdoctor stacks` reads live stacks with it. "
-        "Install it with `pip install 'distdoctor[stacks]'` (or `pip install py-spy`)")
+            raise SamplerMissing(f"py-spy not found at {candidate} (no executable file there). {INSTALL}")
+    raise SamplerMissing(f"py-spy is not installed: `distdoctor stacks` reads live stacks with it. {INSTALL}")
 
 
 def py_spy_version(binary: str) -> str:
