@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from _probe_helpers import marked_env, new_marker, wait_for_no_processes
+from _probe_helpers import marked_env, new_marker, processes_with_marker, wait_for_no_processes
 from distdoctor.cli import main
 from distdoctor.probe.script.watch import waiting_site
 from distdoctor.probe.stacks import analysis, discover, live, report, sampler
@@ -498,10 +498,19 @@ def _launch(fixture: str, tmp_path: Path, marker: str) -> subprocess.Popen:
 
 
 def _kill(job: subprocess.Popen, marker: str) -> None:
-    try:
-        os.killpg(job.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL the launcher's process group and each worker's (torchrun starts every worker in a
+    session of its own, and a SIGKILLed agent cannot end them), then check nothing is left."""
+    groups = {job.pid}
+    for pid in processes_with_marker(marker):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     job.wait(timeout=30)
     assert wait_for_no_processes(marker, 10.0) == []
 
@@ -602,9 +611,9 @@ def test_real_mp_spawn_job_found_from_its_parent(tmp_path):
         assert took < 10.0 and result.returncode == 1, result.stdout + result.stderr
         (seen,) = json.loads(result.stdout)["jobs"]
         assert seen["launcher"] == "mp.spawn" and sorted(r["rank"] for r in seen["ranks"]) == [0, 1]
-        first = seen["groups"][0]
-        assert first["ranks"] == [1] and first["activity"]["op"] == "barrier"
-        assert [g["activity"]["kind"] for g in seen["groups"]][1] == analysis.IDLE
+        idle, waiting = seen["groups"]  # the rank asleep outside any collective is the cause: first
+        assert idle["ranks"] == [0] and idle["activity"]["kind"] == analysis.IDLE
+        assert waiting["ranks"] == [1] and waiting["activity"]["op"] == "barrier"
     finally:
         _kill(job, marker)
 
