@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from _probe_helpers import marked_env, new_marker, processes_with_marker, wait_for_no_processes
 from distdoctor.cli import main
 from distdoctor.probe.script.watch import waiting_site
-from distdoctor.probe.stacks import analysis, discover, live, report, sampler
+from distdoctor.probe.stacks import analysis, discover, flight, live, report, sampler
 from distdoctor.probe.stacks.analysis import Frame, RankStacks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -684,3 +684,91 @@ def test_hundreds_of_ranks_are_read_in_bounded_time(tmp_path):
 def test_horovod_hung_job():
     pytest.importorskip("horovod.torch", reason="Horovod is not installed here: run scripts/install-horovod.sh")
     pytest.skip("a Horovod hung job is not exercised yet: the Horovod ranks are found by HOROVOD_RANK (see the fake /proc test)")
+
+
+# --- Flight Recorder dumps -----------------------------------------------------------------------
+
+
+def _entry(seq, op, state, pg="default_pg"):
+    # The shape torch 2.13's gloo process group records (torch._C._distributed_c10d._dump_fr_trace()).
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", pg), "collective_seq_id": seq, "p2p_seq_id": 0,
+            "op_id": seq, "profiling_name": op, "time_created_ns": 1, "input_sizes": [[4]], "state": state,
+            "retired": True, "timeout_ms": 1800000, "is_p2p": False}
+
+
+def test_a_flight_recorder_dump_gives_each_group_its_last_collective(tmp_path):
+    import pickle
+
+    path = tmp_path / "fr_1"
+    dump = {"version": "2.10", "pg_config": {}, "entries": [_entry(1, "gloo:all_reduce", "completed"),
+                                                            _entry(2, "gloo:all_reduce", "completed"),
+                                                            _entry(3, "gloo:barrier", "scheduled")]}
+    path.write_bytes(pickle.dumps(dump))
+    read = flight.read_dump(str(path), now=path.stat().st_mtime + 5)
+    assert read.describe() == "default_pg: #3 gloo:barrier scheduled, last completed #2 (dump written 5 s ago)"
+    assert flight.read_dump(str(path), since=path.stat().st_mtime + 60) is None  # an earlier job's dump
+    path.write_text(json.dumps(dump))
+    assert flight.read_dump(str(path)).groups[0].last_seq == 3
+    assert flight.dump_path({"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr_")}, 1) == str(tmp_path / "fr_1")
+    assert flight.dump_path({}, 0) == "/tmp/nccl_trace_rank_0"
+
+
+def test_a_flight_recorder_file_that_would_run_code_is_not_loaded(tmp_path):
+    import pickle
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    path = tmp_path / "fr_0"
+    path.write_bytes(pickle.dumps({"entries": [Hostile()]}))
+    assert flight.read_dump(str(path)) is None and not (tmp_path / "ran").exists()
+    path.write_bytes(b"\x80\x04garbage")
+    assert flight.read_dump(str(path)) is None
+    assert flight.read_dump(str(tmp_path / "absent")) is None
+
+
+FR_SCRIPT = """
+import os, torch, torch.distributed as dist
+from pathlib import Path
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    for step in range(3):
+        dist.all_reduce(t)
+    prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    Path(f"{prefix}{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    Path(os.environ["STACKS_READY_DIR"], f"rank{rank}").touch()
+    if rank == 1:
+        dist.barrier()
+    dist.all_reduce(t)
+
+main()
+"""
+
+
+@pytest.mark.slow
+def test_real_flight_recorder_dumps_are_shown_beside_the_stacks(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "fr_job.py"
+    script.write_text(FR_SCRIPT)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    marker = new_marker()
+    env = marked_env(marker, STACKS_READY_DIR=str(ready), TORCH_FR_BUFFER_SIZE="100",
+                     TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "fr_"), OMP_NUM_THREADS="1")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+                           cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not all((ready / f"rank{r}").exists() for r in (0, 1)) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        result, _ = _stacks(str(job.pid), "--format", "json", marker=marker)
+        assert result.returncode == 1, result.stdout + result.stderr
+        ranks = json.loads(result.stdout)["jobs"][0]["ranks"]
+        assert all(r["flight_recorder"].startswith("default_pg: #3 gloo:all_reduce") for r in ranks), ranks
+    finally:
+        _kill(job, marker)

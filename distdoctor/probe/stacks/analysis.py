@@ -393,6 +393,7 @@ class RankStacks:
     children: list[tuple[int, list[Frame]]] = field(default_factory=list)  # e.g. DataLoader workers
     error: str | None = None
     error_kind: str | None = None  # sampler.EXITED, PERMISSION, NOT_PYTHON, TIMEOUT, FAILED
+    flight: str | None = None  # the rank's Flight Recorder dump, summarised, where the job writes one
 
     @property
     def frames(self) -> list[Frame]:

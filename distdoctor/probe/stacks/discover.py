@@ -19,6 +19,8 @@ import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from distdoctor.probe.stacks.flight import dump_path
+
 PROC = "/proc"
 _PYTHON = re.compile(r"python|pypy|pt_main_thread|pt_elastic", re.I)
 _LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "horovodrun", "mpirun", "mpiexec", "srun")
@@ -169,6 +171,18 @@ class RankProc:
     pid: int
     identity: Identity
     children: list[int] = field(default_factory=list)
+    flight_dump: str | None = None  # where its Flight Recorder dump would be written
+    started_at: float = 0.0  # seconds since the epoch
+
+
+def started_at(pid: int, root: str = PROC) -> float:
+    """When a process started (seconds since the epoch), 0.0 when unknown."""
+    try:
+        ticks = int(_read(f"{root}/{pid}/stat").decode().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in _read(f"{root}/stat").decode().splitlines() if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
 
 
 @dataclass
@@ -228,12 +242,14 @@ def _ranks(table: dict[int, Proc], host: str) -> tuple[dict[int, Identity], dict
     return ids, children
 
 
-def _jobs(table: dict[int, Proc], ids: dict[int, Identity], children: dict[int, int], rank_pids: Iterable[int]) -> list[Job]:
+def _jobs(table: dict[int, Proc], ids: dict[int, Identity], children: dict[int, int], rank_pids: Iterable[int],
+          root: str = PROC) -> list[Job]:
     jobs: dict[str, Job] = {}
     for pid in sorted(set(rank_pids)):
         identity = ids[pid]
         job = jobs.setdefault(identity.job, Job(identity.job, identity.launcher, []))
-        job.ranks.append(RankProc(pid, identity, sorted(c for c, r in children.items() if r == pid)))
+        job.ranks.append(RankProc(pid, identity, sorted(c for c, r in children.items() if r == pid),
+                                  dump_path(table[pid].env or {}, identity.rank), started_at(pid, root)))
         for ancestor in _ancestors(table, pid):
             if table[ancestor].is_launcher and ancestor not in job.agents:
                 job.agents.append(ancestor)
@@ -248,7 +264,7 @@ def find_jobs(pids: Sequence[int] = (), root: str = PROC, host: str | None = Non
     table = process_table(root)
     ids, children = _ranks(table, host)
     if not pids:
-        return _jobs(table, ids, children, ids)
+        return _jobs(table, ids, children, ids, root)
     chosen: set[int] = set()
     for pid in pids:
         chosen |= _ranks_for(pid, table, ids, children, root)
@@ -256,7 +272,7 @@ def find_jobs(pids: Sequence[int] = (), root: str = PROC, host: str | None = Non
     # A rank given by itself stands for its whole job on this machine.
     everyone = [p for p, identity in ids.items() if identity.job in wanted_jobs]
     plain = [p for p in chosen if p not in ids]
-    jobs = _jobs(table, ids, children, everyone)
+    jobs = _jobs(table, ids, children, everyone, root)
     for pid in sorted(plain):  # a Python process with no rank identity: read as it is
         proc = table[pid]
         jobs.append(Job(f"process:{pid}", "process", [RankProc(pid, Identity("process", f"process:{pid}", host=host), [])]))

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from distdoctor.probe.stacks import analysis, sampler
+from distdoctor.probe.stacks import analysis, flight, sampler
 from distdoctor.probe.stacks.analysis import BACKWARD, IDLE, RankStacks, Verdict
 from distdoctor.probe.stacks.discover import Job, read_proc
 
@@ -52,6 +52,8 @@ def read_jobs(jobs: Sequence[Job], binary: str, options: Options) -> list[JobSta
         for rp in job.ranks:
             idn = rp.identity
             rank = RankStacks(rp.pid, idn.rank, idn.local_rank, idn.world_size, idn.host)
+            dump = flight.read_dump(rp.flight_dump, since=rp.started_at) if rp.flight_dump else None
+            rank.flight = dump.describe() if dump else None
             ranks[rp.pid] = rank
             children[rp.pid] = rp.children
             job_ranks.append(rank)

@@ -57,6 +57,8 @@ def _group_text(group: Group, verbose: bool) -> list[str]:
     out = [f"- {group.describe()}"]
     for rank in group.ranks:
         out.append(f"    {_who(rank)}")
+        if rank.flight:
+            out.append(f"      flight recorder: {rank.flight}")
         for pid, frames in rank.children:
             user = analysis.user_frame(frames) or (frames[0] if frames else None)
             where = site_text(user) if user else "no Python stack"
@@ -120,7 +122,7 @@ def _activity_json(activity: analysis.Activity) -> dict[str, Any]:
 def rank_json(rank: RankStacks) -> dict[str, Any]:
     out: dict[str, Any] = {"pid": rank.pid, "rank": rank.rank, "local_rank": rank.local_rank,
                            "world_size": rank.world_size, "host": rank.host, "error": rank.error,
-                           "error_kind": rank.error_kind}
+                           "error_kind": rank.error_kind, "flight_recorder": rank.flight}
     if rank.samples:
         guard = analysis.guard_of(rank.frames)
         out.update({
@@ -141,6 +143,7 @@ def rank_from_json(data: dict[str, Any]) -> RankStacks:
     rank.native = _frames_from(data["native"]) if data.get("native") is not None else None
     rank.children = [(int(c["pid"]), _frames_from(c.get("frames") or [])) for c in data.get("children") or []]
     rank.error, rank.error_kind = data.get("error"), data.get("error_kind")
+    rank.flight = data.get("flight_recorder")
     return rank
 
 
