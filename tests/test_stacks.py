@@ -307,7 +307,7 @@ def test_merge_gives_the_job_wide_verdict_from_per_node_files(tmp_path):
     assert [g["ranks"] for g in merged["groups"]] == [[1], [0]]
     assert merged["groups"][0]["activity"]["op"] == "barrier" and merged["hosts"] == ["node0", "node1"]
     text = CliRunner().invoke(main, ["stacks", "--merge", a, b])
-    assert text.exit_code == 1 and "HUNG: ranks parted at step 3: rank 1 waits in barrier" in text.output
+    assert text.exit_code == 1 and "HUNG: ranks parted at step 3; the likely cause first\n- rank 1 waits in barrier" in text.output
 
 
 def test_merge_keeps_what_the_verdict_needs(tmp_path):

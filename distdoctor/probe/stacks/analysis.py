@@ -464,9 +464,17 @@ class Group:
         elif a.inner is not None:
             head += f", at {site_text(a.inner, root)}"
         if self.guard is not None:
-            frame, guard = self.guard
-            head += f", {guard.describe()}" if frame == a.user else f", {guard.describe(f'{short_path(frame.file, root)}:{guard.line} in {frame.func}')}"
+            head += f", {self.guard_text(root)}"
         return head
+
+    def guard_text(self, root: str | None = None) -> str | None:
+        """'under `if rank == 0` (line 30)', with the file and function when not the user's frame."""
+        if self.guard is None:
+            return None
+        frame, guard = self.guard
+        if frame == self.activity.user:
+            return guard.describe()
+        return guard.describe(f"{short_path(frame.file, root)}:{guard.line} in {frame.func}")
 
 
 def ranks_text(ids: Sequence[int], pids: bool = False) -> str:
@@ -493,6 +501,7 @@ class Verdict:
     summary: str  # the whole verdict in one line
     groups: tuple[Group, ...]
     unread: tuple[RankStacks, ...] = ()
+    headline: str = ""  # its first words, for the text report above the groups
 
 
 def group_ranks(ranks: Sequence[RankStacks], hung: bool = False) -> list[Group]:
@@ -533,7 +542,7 @@ def diagnose(ranks: Sequence[RankStacks], world_size: int | None = None, root: s
     read = [r for r in ranks if r.samples and r.error is None]
     unread = tuple(r for r in ranks if r not in read)
     if not read:
-        return Verdict(False, "no rank could be read", (), unread)
+        return Verdict(False, "no rank could be read", (), unread, "no rank could be read")
     hung = any(r.activity.in_collective and not r.moved for r in read)
     groups = group_ranks(read, hung)
     if not hung:
@@ -541,7 +550,8 @@ def diagnose(ranks: Sequence[RankStacks], world_size: int | None = None, root: s
             summary = f"all {len(read)} ranks progressing: nothing hung"
         else:
             summary = "no rank waits in a collective: nothing hung (" + "; ".join(g.describe(root) for g in groups) + ")"
-        return Verdict(False, summary, tuple(groups), unread)
+        headline = f"all {len(read)} ranks progressing" if all(g.moved for g in groups) else "no rank waits in a collective"
+        return Verdict(False, summary, tuple(groups), unread, headline)
     parts = [g.describe(root) for g in groups]
     if len(groups) == 1:
         missing = ""
@@ -549,10 +559,13 @@ def diagnose(ranks: Sequence[RankStacks], world_size: int | None = None, root: s
             missing = (f"; only {len(read)} of {world_size} ranks are on this machine: the rank that did not "
                        "arrive is elsewhere (run `distdoctor stacks --format json` on every node, then `--merge`)")
         summary = f"every rank read waits at the same place: {parts[0]}{missing}"
+        headline = "every rank read waits at the same place" + missing
     else:
         step = _parting_step(read)
-        summary = "ranks parted" + (f" at step {step}" if step is not None else "") + ": " + "; ".join(parts)
-    return Verdict(True, summary, tuple(groups), unread)
+        headline = "ranks parted" + (f" at step {step}" if step is not None else "")
+        summary = headline + ": " + "; ".join(parts)
+        headline += "; the likely cause first"
+    return Verdict(True, summary, tuple(groups), unread, headline)
 
 
 def _parting_step(ranks: Sequence[RankStacks]) -> int | None:

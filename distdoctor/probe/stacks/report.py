@@ -79,7 +79,7 @@ def format_text(jobs: Sequence[JobStacks], duration_s: float, options_text: str,
         size = f" of world size {job.world_size}" if job.world_size else ""
         hosts = f" on {', '.join(job.hosts)}" if job.hosts else ""
         head = f"{job.launcher} job {job.key.split(':', 1)[-1]}: {len(read)} rank{'s' if len(read) != 1 else ''} read{size}{hosts}"
-        lines = [head, ("HUNG: " if verdict.hung else "OK: ") + verdict.summary]
+        lines = [head, ("HUNG: " if verdict.hung else "OK: ") + (verdict.headline or verdict.summary)]
         for group in verdict.groups:
             lines.extend(_group_text(group, verbose))
         for rank in verdict.unread:
@@ -155,7 +155,7 @@ def _group_json(group: Group) -> dict[str, Any]:
     return {"ranks": [r.rank if r.rank is not None else r.pid for r in group.ranks],
             "pids": [r.pid for r in group.ranks], "summary": group.describe(), "progressing": group.moved,
             "activity": _activity_json(group.activity),
-            "guard": group.guard[1].describe() if group.guard else None}
+            "guard": group.guard_text()}
 
 
 def job_json(job: JobStacks) -> dict[str, Any]:
