@@ -85,7 +85,13 @@ def format_text(jobs: Sequence[JobStacks], duration_s: float, options_text: str,
         for rank in verdict.unread:
             lines.append(f"- {rank.label} (pid {rank.pid}) not read: {rank.error}")
         blocks.append("\n".join(lines))
-    footer = f"read in {duration_s:.1f} s ({options_text}); the job was not stopped"
+    paused = [r for job in jobs for r in job.ranks if r.native is not None]
+    if paused:
+        names = analysis.ranks_text([r.rank if r.rank is not None else r.pid for r in paused], paused[0].rank is None)
+        stopped = f"the job was not stopped; {names} paused for one native read (--no-native: never)"
+    else:
+        stopped = "the job was not stopped"
+    footer = f"read in {duration_s:.1f} s ({options_text}); {stopped}"
     return "\n\n".join(blocks + [footer])
 
 
