@@ -772,3 +772,16 @@ def test_real_flight_recorder_dumps_are_shown_beside_the_stacks(tmp_path):
         assert all(r["flight_recorder"].startswith("default_pg: #3 gloo:all_reduce") for r in ranks), ranks
     finally:
         _kill(job, marker)
+
+
+def test_no_job_found_while_other_users_processes_are_hidden(tmp_path, monkeypatch):
+    root = tmp_path / "proc"
+    root.mkdir()
+    _proc(root, 42, 1, ["/usr/bin/python3", "train.py"])
+    real_read = discover._read
+    monkeypatch.setattr(discover, "_read", lambda path: (_ for _ in ()).throw(PermissionError(path))
+                        if path.endswith("/environ") else real_read(path))
+    with pytest.raises(discover.DiscoveryError, match="environment of 1 Python process of other users could not be read"):
+        discover.find_jobs(root=str(root))
+    with pytest.raises(discover.DiscoveryError, match="cannot read the environment of pid 42"):
+        discover.find_jobs([42], root=str(root))

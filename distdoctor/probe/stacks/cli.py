@@ -24,7 +24,7 @@ class StacksError(click.ClickException):
 @click.argument("pids", nargs=-1, type=str)
 @click.option("--format", "output_format", type=click.Choice(("text", "json")), default="text", show_default=True)
 @click.option("--merge", "merge", is_flag=True, help="Read the PIDS arguments as per-node JSON files and give the job-wide verdict.")
-@click.option("--samples", type=click.IntRange(1, 20), default=3, show_default=True, help="Reads of each rank; a rank whose stack never moves stands still.")
+@click.option("--samples", type=click.IntRange(2, 20), default=3, show_default=True, help="Reads of each rank (at least 2): a rank whose stack and step never move stands still.")
 @click.option("--interval", type=click.FloatRange(0.0, 10.0), default=0.5, show_default=True, help="Seconds between reads.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.5, 120.0), default=5.0, show_default=True, help="Seconds one rank may take to be read.")
 @click.option("--jobs", "parallel", type=click.IntRange(1, 256), default=16, show_default=True, help="Ranks read at once.")

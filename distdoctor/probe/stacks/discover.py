@@ -264,7 +264,13 @@ def find_jobs(pids: Sequence[int] = (), root: str = PROC, host: str | None = Non
     table = process_table(root)
     ids, children = _ranks(table, host)
     if not pids:
-        return _jobs(table, ids, children, ids, root)
+        jobs = _jobs(table, ids, children, ids, root)
+        hidden = [p for p in table.values() if p.env_error == "permission"]
+        if not jobs and hidden:
+            raise DiscoveryError(f"no training job found, and the environment of {len(hidden)} Python process"
+                                 f"{'es' if len(hidden) != 1 else ''} of other users could not be read "
+                                 f"(e.g. pid {hidden[0].pid}, uid {hidden[0].uid}): run distdoctor as that user or as root")
+        return jobs
     chosen: set[int] = set()
     for pid in pids:
         chosen |= _ranks_for(pid, table, ids, children, root)
