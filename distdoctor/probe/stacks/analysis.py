@@ -160,8 +160,8 @@ class Activity:
             return f"{self.op}" + (f" ({self.via})" if self.via else "")
         text = {
             DATA: "loading data", CHECKPOINT: "writing a checkpoint", COMPILE: "compiling (torch.compile)",
-            BACKWARD: "in backward (not waiting on a collective that could be seen)", COMPUTE: "computing",
-            IDLE: "idle outside any collective", UNKNOWN: "no Python stack",
+            BACKWARD: "waiting inside backward (without native frames, whether on DDP's all-reduce cannot be told)",
+            COMPUTE: "computing", IDLE: "idle (asleep, or blocked on I/O, a lock or a native call)", UNKNOWN: "no Python stack",
         }[self.kind]
         if self.op:
             text += f" ({self.op})"
