@@ -280,7 +280,6 @@ def find_jobs(pids: Sequence[int] = (), root: str = PROC, host: str | None = Non
     plain = [p for p in chosen if p not in ids]
     jobs = _jobs(table, ids, children, everyone, root)
     for pid in sorted(plain):  # a Python process with no rank identity: read as it is
-        proc = table[pid]
         jobs.append(Job(f"process:{pid}", "process", [RankProc(pid, Identity("process", f"process:{pid}", host=host), [])]))
     return jobs
 
