@@ -785,3 +785,13 @@ def test_no_job_found_while_other_users_processes_are_hidden(tmp_path, monkeypat
         discover.find_jobs(root=str(root))
     with pytest.raises(discover.DiscoveryError, match="cannot read the environment of pid 42"):
         discover.find_jobs([42], root=str(root))
+
+
+def test_a_side_thread_waiting_in_a_collective_is_shown_and_survives_merge(tmp_path):
+    ranks = recorded("healthy")
+    ranks[1].other_threads = {"saver 77": [Frame("all_gather_object", f"{SITE}/torch/distributed/distributed_c10d.py", 3000),
+                                           Frame("save_async", USER, 88)]}
+    text = report.format_text([live.JobStacks("torchrun:x@h:1", "torchrun", ranks, 2)], 1.0, "test")
+    assert "thread saver 77 waits in all_gather_object, from /home/u/train.py:88 in save_async" in text
+    merged = report.load_merge([_node_file(tmp_path, "t.json", ranks)])[0]
+    assert list(merged.ranks[1].threads_in_collectives()) == ["saver 77"]

@@ -422,6 +422,16 @@ class RankStacks:
         last_active = self.active[-1] if self.active else None
         return classify(self.frames, last_active)
 
+    def threads_in_collectives(self) -> dict[str, Activity]:
+        """Threads other than the main one that wait in a collective (a background checkpoint, a
+        side stream of work): they hold the job as surely as the main thread."""
+        found = {}
+        for name, frames in self.other_threads.items():
+            activity = classify(frames, False)
+            if activity.in_collective:
+                found[name] = activity
+        return found
+
     @property
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"

@@ -59,6 +59,9 @@ def _group_text(group: Group, verbose: bool) -> list[str]:
         out.append(f"    {_who(rank)}")
         if rank.flight:
             out.append(f"      flight recorder: {rank.flight}")
+        for thread, activity in rank.threads_in_collectives().items():
+            where = site_text(activity.user or activity.inner)
+            out.append(f"      thread {thread} waits in {activity.describe()}, from {where}")
         for pid, frames in rank.children:
             user = analysis.user_frame(frames) or (frames[0] if frames else None)
             where = site_text(user) if user else "no Python stack"
@@ -135,6 +138,7 @@ def rank_json(rank: RankStacks) -> dict[str, Any]:
             "step": rank.step, "progressing": rank.moved, "activity": _activity_json(rank.activity),
             "guard": guard[1].describe() if guard else None,
             "active": rank.active, "samples": [_frames_json(s) for s in rank.samples],
+            "threads": {name: _frames_json(frames) for name, frames in rank.other_threads.items()},
             "native": _frames_json(rank.native) if rank.native is not None else None,
             "children": [{"pid": pid, "frames": _frames_json(frames)} for pid, frames in rank.children],
         })
@@ -147,6 +151,7 @@ def rank_from_json(data: dict[str, Any]) -> RankStacks:
     rank.samples = [_frames_from(s) for s in data.get("samples") or []]
     rank.active = [None if a is None else bool(a) for a in data.get("active") or []]
     rank.native = _frames_from(data["native"]) if data.get("native") is not None else None
+    rank.other_threads = {str(name): _frames_from(frames) for name, frames in (data.get("threads") or {}).items()}
     rank.children = [(int(c["pid"]), _frames_from(c.get("frames") or [])) for c in data.get("children") or []]
     rank.error, rank.error_kind = data.get("error"), data.get("error_kind")
     rank.flight = data.get("flight_recorder")
