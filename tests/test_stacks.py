@@ -795,3 +795,17 @@ def test_a_side_thread_waiting_in_a_collective_is_shown_and_survives_merge(tmp_p
     assert "thread saver 77 waits in all_gather_object, from /home/u/train.py:88 in save_async" in text
     merged = report.load_merge([_node_file(tmp_path, "t.json", ranks)])[0]
     assert list(merged.ranks[1].threads_in_collectives()) == ["saver 77"]
+
+
+def test_a_rank_blocked_on_the_gpu_stream_waits_with_its_peers():
+    # NCCL: all_reduce returned once queued; the rank blocks at .item() until the kernel's peer comes.
+    native = [Frame("cudaStreamSynchronize", "/usr/lib/libcudart.so.12", 0, native=True),
+              Frame("at::native::_local_scalar_dense_cuda", "/usr/lib/libtorch_cuda.so", 0, native=True),
+              _f("main", USER, 51)]
+    activity = analysis.classify(native, active=False)
+    assert activity.kind == analysis.GPU_WAIT and activity.in_collective and activity.user.line == 51
+    assert "queued collective" in activity.describe()
+    python_only = analysis.classify([_f("main", USER, 51)], active=False)
+    assert python_only.kind == analysis.IDLE  # ...which the native read then tells apart
+    rank = RankStacks(1, 0, 0, 2, "h", samples=[[_f("main", USER, 51)]] * 2, active=[False, False])
+    assert live._wants_native(rank)

@@ -98,8 +98,13 @@ def user_frames(frames: Sequence[Frame]) -> list[Frame]:
 
 # --- what a stack is doing -----------------------------------------------------------------------
 
-COLLECTIVE, DATA, CHECKPOINT, COMPILE, BACKWARD, COMPUTE, IDLE, UNKNOWN = (
-    "collective", "data", "checkpoint", "compile", "backward", "compute", "idle", "unknown")
+COLLECTIVE, GPU_WAIT, DATA, CHECKPOINT, COMPILE, BACKWARD, COMPUTE, IDLE, UNKNOWN = (
+    "collective", "gpu-wait", "data", "checkpoint", "compile", "backward", "compute", "idle", "unknown")
+# NCCL collectives return to Python once queued on the GPU: a rank whose peer never joins blocks
+# later, where the CPU waits for the stream (`.item()`, `.cpu()`, a synchronize). Native frames show it.
+_GPU_SYNC = re.compile(r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cuStreamSynchronize|"
+                       r"cuEventSynchronize|cudaMemcpy(?!Async)|cuMemcpyDtoH(?!Async)|hipStreamSynchronize|"
+                       r"hipDeviceSynchronize|_local_scalar_dense|c10::cuda::\w*[Ss]ynchroni[sz]e")
 
 # Public torch.distributed calls that wait for the other ranks (distributed_c10d.py).
 C10D_OPS = frozenset({
@@ -152,12 +157,15 @@ class Activity:
 
     @property
     def in_collective(self) -> bool:
-        return self.kind == COLLECTIVE
+        """Waiting on the other ranks: in a collective, or (NCCL) for the GPU stream that holds one."""
+        return self.kind in (COLLECTIVE, GPU_WAIT)
 
     def describe(self) -> str:
         """'all_reduce' / 'all_reduce (DDP backward)' / 'loading data (DataLoader)' ..."""
         if self.kind == COLLECTIVE:
             return f"{self.op}" + (f" ({self.via})" if self.via else "")
+        if self.kind == GPU_WAIT:
+            return f"a wait for the GPU ({self.op}: with NCCL, a queued collective whose peer never came)"
         text = {
             DATA: "loading data", CHECKPOINT: "writing a checkpoint", COMPILE: "compiling (torch.compile)",
             BACKWARD: "waiting inside backward (without native frames, whether on DDP's all-reduce cannot be told)",
@@ -204,6 +212,9 @@ def classify(frames: Sequence[Frame], active: bool | None = None, roots: Sequenc
             return Activity(DATA, f"reading a checkpoint ({frame.name})", None, user, inner)
         if _in(frame, "torch/_dynamo/", "torch/_inductor/", "torch/fx/"):
             return Activity(COMPILE, None, None, user, inner)
+    gpu = next((f for f in frames if f.native and _GPU_SYNC.search(f.func)), None)
+    if gpu is not None and active is not True:
+        return Activity(GPU_WAIT, _GPU_SYNC.search(gpu.func).group(0), None, user, inner)
     if any(_in(f, "torch/autograd/") and f.name in ("_engine_run_backward", "backward", "grad") for f in library):
         if active is False:
             return Activity(BACKWARD, None, None, user, inner)
