@@ -122,6 +122,15 @@ def test_mismatched_collectives_name_both_ops_and_both_branches():
     assert "in the else branch of `if rank == 0`" in verdict.summary
 
 
+def test_fsdp2_all_gather_in_forward_is_named_through_fsdp_internals():
+    verdict = analysis.diagnose(recorded("fsdp_skipped_forward"), 2)
+    odd, other = verdict.groups
+    assert [r.rank for r in odd.ranks] == [1] and odd.activity.op == "barrier"
+    assert [r.rank for r in other.ranks] == [0]
+    assert other.activity.op == "all_gather_single" and other.activity.via == "FSDP foreach_all_gather"
+    assert other.activity.user.line == marker_line("fsdp_skipped_forward", "rank 0 waits here")
+
+
 def test_a_healthy_job_is_progressing_even_when_its_stack_stays_in_one_line():
     ranks = recorded("healthy")
     assert len({analysis.signature(s) for s in ranks[0].samples}) == 1  # asleep at the same line...
@@ -469,6 +478,7 @@ REAL_CASES = {
     "endless_loop": (True, [([1], analysis.COMPUTE, "odd rank 1"), ([0], "all_reduce", "rank 0 waits here")]),
     "dataloader_stuck": (True, [([1], analysis.DATA, "odd rank 1"), ([0], "all_reduce", "rank 0 waits here")]),
     "mismatched": (True, [([0], "all_reduce", "rank 0 in all_reduce"), ([1], "broadcast", "rank 1 in broadcast")]),
+    "fsdp_skipped_forward": (True, [([1], "barrier", "odd rank 1"), ([0], "all_gather_single", "rank 0 waits here")]),
     "healthy": (False, [([0, 1], None, None)]),
 }
 

@@ -113,7 +113,8 @@ C10D_OPS = frozenset({
     "reduce", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier", "send", "recv", "send_object_list", "recv_object_list",
     "batch_isend_irecv", "init_process_group", "new_group", "new_subgroups", "destroy_process_group",
-    "_store_based_barrier", "_all_gather_base", "_reduce_scatter_base",
+    "_store_based_barrier", "_all_gather_base", "_reduce_scatter_base", "all_gather_single",
+    "reduce_scatter_single", "split_group", "new_subgroups_by_enumeration", "shrink_group",
 })
 # torch.distributed._functional_collectives (also what compiled code calls).
 FUNCTIONAL_OPS = frozenset({
@@ -210,7 +211,8 @@ def classify(frames: Sequence[Frame], active: bool | None = None, roots: Sequenc
             if writing or not frame.name.startswith("load"):
                 return Activity(CHECKPOINT, frame.name, None, user, inner)
             return Activity(DATA, f"reading a checkpoint ({frame.name})", None, user, inner)
-        if _in(frame, "torch/_dynamo/", "torch/_inductor/", "torch/fx/"):
+        # torch._dynamo.disable wrappers (eval_frame.py) sit in every FSDP2 forward: not compiling.
+        if _in(frame, "torch/_dynamo/", "torch/_inductor/") and not _in(frame, "torch/_dynamo/eval_frame.py"):
             return Activity(COMPILE, None, None, user, inner)
     gpu = next((f for f in frames if f.native and _GPU_SYNC.search(f.func)), None)
     if gpu is not None and active is not True:
@@ -269,7 +271,10 @@ def _collective(outward: list[Frame], library: list[Frame], frames: Sequence[Fra
 def _via_detail(via: str | None, library: list[Frame]) -> str | None:
     """'FSDP _all_gather_flat_param' rather than 'FSDP': the FSDP function says which collective."""
     if via in ("FSDP", "DeepSpeed"):
-        names = [f.name for f in library if _in(f, "torch/distributed/fsdp/", "torch/distributed/_composable/fsdp", "deepspeed/")]
+        # The innermost FSDP function with a real name (not a wrapper, __call__ or private helper).
+        layer = [f.name for f in library if _in(f, "torch/distributed/fsdp/", "torch/distributed/_composable/fsdp", "deepspeed/")
+                 and f.name not in ("wrapper", "decorate_context", "__call__")]
+        names = [n for n in layer if not n.startswith("_")] or layer
         if names:
             return f"{via} {names[0]}"
     if via == "DDP":
