@@ -819,3 +819,13 @@ def test_a_rank_blocked_on_the_gpu_stream_waits_with_its_peers():
     assert python_only.kind == analysis.IDLE  # ...which the native read then tells apart
     rank = RankStacks(1, 0, 0, 2, "h", samples=[[_f("main", USER, 51)]] * 2, active=[False, False])
     assert live._wants_native(rank)
+
+
+def test_one_failed_read_of_a_rank_already_read_does_not_discard_it():
+    rank = RankStacks(7)
+    good = sampler.Read(7, [sampler.ThreadStack("MainThread", 7, True, (_f("main", USER, 3),))])
+    live._take(rank, good)
+    live._take(rank, sampler.Read(7, error="py-spy could not read pid 7: torn", kind=sampler.FAILED))
+    assert rank.error is None and len(rank.samples) == 1
+    live._take(rank, sampler.Read(7, error="pid 7 exited while it was being read", kind=sampler.EXITED))
+    assert rank.error_kind == sampler.EXITED

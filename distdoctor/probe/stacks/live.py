@@ -92,6 +92,8 @@ def read_jobs(jobs: Sequence[Job], binary: str, options: Options) -> list[JobSta
 
 
 def _take(rank: RankStacks, read: sampler.Read) -> None:
+    if read.error is not None and read.kind in (sampler.FAILED, sampler.TIMEOUT) and rank.samples:
+        return  # one bad read of a rank already read: the samples it has still count
     if read.error is not None:
         rank.error, rank.error_kind = read.error, read.kind
         return

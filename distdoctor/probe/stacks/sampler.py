@@ -121,7 +121,15 @@ def _classify_error(pid: int, stderr: str) -> tuple[str, str]:
 
 
 def dump(binary: str, pid: int, timeout_s: float, native: bool = False, with_locals: bool = True) -> Read:
-    """One read of one process; never raises for the process's own faults."""
+    """One read of one process; never raises for the process's own faults. A non-blocking read of a
+    running rank can fail on memory that changed under it: such a failure is retried once."""
+    read = _dump_once(binary, pid, timeout_s, native, with_locals)
+    if read.kind == FAILED and os.path.exists(f"/proc/{pid}"):
+        read = _dump_once(binary, pid, timeout_s, native, with_locals)
+    return read
+
+
+def _dump_once(binary: str, pid: int, timeout_s: float, native: bool, with_locals: bool) -> Read:
     cmd = [binary, "dump", "--pid", str(pid), "--json"]
     if with_locals:
         cmd.append("--locals")
