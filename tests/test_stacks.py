@@ -111,7 +111,7 @@ def test_a_rank_waiting_for_a_dataloader_worker_names_the_worker_line():
     (_pid, worker), = first.ranks[0].children
     assert analysis.user_frame(worker).line == marker_line("dataloader_stuck", "rank 1's worker")
     text = report.format_text([live.JobStacks("torchrun:x@h:1", "torchrun", recorded("dataloader_stuck"), 2)], 1.0, "test")
-    assert "child pid 2001" in text and "threading.Event().wait()" in text
+    assert "DataLoader worker pid 2001: " in text and "threading.Event().wait()" in text
 
 
 def test_mismatched_collectives_name_both_ops_and_both_branches():

@@ -66,7 +66,8 @@ def _group_text(group: Group, verbose: bool) -> list[str]:
             user = analysis.user_frame(frames) or (frames[0] if frames else None)
             where = site_text(user) if user else "no Python stack"
             source = source_line(user) if user else ""
-            out.append(f"      child pid {pid} (DataLoader worker or subprocess): {where}" + (f": {source}" if source else ""))
+            kind = "DataLoader worker" if any(f.name == "_worker_loop" for f in frames) else "child process"
+            out.append(f"      {kind} pid {pid}: {where}" + (f": {source}" if source else ""))
     if group.moved and not group.in_hung_job:
         return out
     for line in _stack_lines(group.ranks[0].frames, verbose):
