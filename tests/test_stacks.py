@@ -51,7 +51,7 @@ def recorded(fixture: str, native: bool = True) -> list[RankStacks]:
             live._take(rank, read)
         if native and f"rank{r}.native" in raw:
             rank.native = list(sampler.parse_dump(json.dumps(raw[f"rank{r}.native"]))[0].frames)
-        if f"rank{r}.child" in raw:
+        if f"rank{r}.child" in raw and not rank.moved and not rank.activity.in_collective:  # as live.read_jobs does
             rank.children.append((2000 + r, list(sampler.parse_dump(json.dumps(raw[f"rank{r}.child"]))[0].frames)))
         ranks.append(rank)
     return ranks
