@@ -829,3 +829,43 @@ def test_one_failed_read_of_a_rank_already_read_does_not_discard_it():
     assert rank.error is None and len(rank.samples) == 1
     live._take(rank, sampler.Read(7, error="pid 7 exited while it was being read", kind=sampler.EXITED))
     assert rank.error_kind == sampler.EXITED
+
+
+@pytest.mark.slow
+def test_real_two_node_job_merged_from_per_node_files(tmp_path):
+    # Two torchrun agents on this machine stand for two nodes (static rendezvous, one rank each):
+    # each node alone sees its rank wait; the merged files name rank 1's barrier.
+    pytest.importorskip("torch")
+    from _probe_helpers import free_port
+
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    marker = new_marker()
+    env = marked_env(marker, STACKS_READY_DIR=str(ready), OMP_NUM_THREADS="1")
+    port = free_port()
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                                "--nproc-per-node", "1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+                                "--master-port", str(port), str(FIXTURES / "barrier_one_rank.py")],
+                               cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for node in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        while not all((ready / f"rank{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "the two-node job did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        files = []
+        for node, agent in enumerate(agents):
+            result, took = _stacks(str(agent.pid), "--format", "json", marker=marker)
+            assert took < 10.0 and result.returncode == 1, result.stdout + result.stderr
+            (alone,) = json.loads(result.stdout)["jobs"]
+            assert [r["rank"] for r in alone["ranks"]] == [node] and "only 1 of 2 ranks are on this machine" in alone["summary"]
+            files.append(tmp_path / f"node{node}.json")
+            files[-1].write_text(result.stdout)
+        result, _ = _stacks("--merge", *map(str, files), "--format", "json", marker=marker)
+        assert result.returncode == 1, result.stdout + result.stderr
+        (merged,) = json.loads(result.stdout)["jobs"]
+        assert [g["ranks"] for g in merged["groups"]] == [[1], [0]] and merged["groups"][0]["activity"]["op"] == "barrier"
+    finally:
+        for agent in agents:
+            _kill(agent, marker)

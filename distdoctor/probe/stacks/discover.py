@@ -274,14 +274,20 @@ def find_jobs(pids: Sequence[int] = (), root: str = PROC, host: str | None = Non
     chosen: set[int] = set()
     for pid in pids:
         chosen |= _ranks_for(pid, table, ids, children, root)
-    wanted_jobs = {ids[p].job for p in chosen if p in ids}
-    # A rank given by itself stands for its whole job on this machine.
-    everyone = [p for p, identity in ids.items() if identity.job in wanted_jobs]
+    # A rank given by itself stands for its job's ranks under the same launcher (its node's part
+    # of the job: on a machine that runs two torchrun agents of one job, each agent is a node).
+    wanted = {(ids[p].job, _launcher_of(table, p)) for p in chosen if p in ids}
+    everyone = [p for p, identity in ids.items() if (identity.job, _launcher_of(table, p)) in wanted]
     plain = [p for p in chosen if p not in ids]
     jobs = _jobs(table, ids, children, everyone, root)
     for pid in sorted(plain):  # a Python process with no rank identity: read as it is
         jobs.append(Job(f"process:{pid}", "process", [RankProc(pid, Identity("process", f"process:{pid}", host=host), [])]))
     return jobs
+
+
+def _launcher_of(table: dict[int, Proc], pid: int) -> int | None:
+    """The nearest launcher (torchrun agent, horovodrun, mpirun, srun) above a rank, if any."""
+    return next((a for a in _ancestors(table, pid) if table[a].is_launcher), None)
 
 
 def _ranks_for(pid: int, table: dict[int, Proc], ids: dict[int, Identity], children: dict[int, int], root: str) -> set[int]:
