@@ -23,7 +23,8 @@ from distdoctor.probe.stacks.flight import dump_path
 
 PROC = "/proc"
 _PYTHON = re.compile(r"python|pypy|pt_main_thread|pt_elastic", re.I)
-_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "horovodrun", "mpirun", "mpiexec", "srun")
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "horovodrun", "mpirun", "mpiexec", "srun",
+              "accelerate", "deepspeed", "deepspeed.launcher.launch")
 
 
 class DiscoveryError(Exception):
