@@ -21,6 +21,8 @@ from pathlib import Path
 
 from distdoctor.probe.script import protocol
 from distdoctor.probe.script.records import RankTrace, StallReport, short_site
+from distdoctor.probe.stacks import analysis
+from distdoctor.probe.stacks.analysis import Frame
 
 # No record from any rank for this long (or 10 step durations, if longer) starts the stack check.
 STALL_QUIET_S = 4.0
@@ -230,18 +232,21 @@ def main_thread_frames(dump: str, main_thread: int | None) -> list[tuple[str, in
 
 
 def waiting_site(frames: list[tuple[str, int, str]], root: str) -> str:
-    """'train.py:45 in main: loss.backward() (blocked in _engine_run_backward)' for a rank's stack."""
+    """'train.py:45 in main: loss.backward() (blocked in _engine_run_backward, graph.py:979)' for a rank's stack.
+
+    The user's frame and the collective come from the stack analysis `distdoctor stacks` uses."""
     if not frames:
         return "no Python stack (the rank did not answer)"
     import linecache
 
+    stack = [Frame(func, fn, line) for fn, line, func in frames]
+    user = analysis.user_frame(stack, roots=(root,)) or stack[0]
     root = os.path.abspath(root) + os.sep
-    user = next((f for f in frames if f[0].startswith(root)), None)
-    user = user or next((f for f in frames if "site-packages" not in f[0] and not f[0].startswith("<")), frames[0])
-    fn, line, func = user
-    source = linecache.getline(fn, line).strip()
-    inner = frames[0]
-    where = f"{short_site(f'{fn}:{line}', root)} in {func}" + (f": {source}" if source else "")
+    source = linecache.getline(user.file, user.line).strip()
+    where = f"{short_site(f'{user.file}:{user.line}', root)} in {user.func}" + (f": {source}" if source else "")
+    inner = stack[0]
     if inner != user:
-        where += f" (blocked in {inner[2]}, {os.path.basename(inner[0])}:{inner[1]})"
+        activity = analysis.classify(stack, roots=(root,))
+        what = activity.describe() if activity.in_collective and activity.via else inner.func
+        where += f" (blocked in {what}, {os.path.basename(inner.file)}:{inner.line})"
     return where
