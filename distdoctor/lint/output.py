@@ -178,10 +178,11 @@ def format_sarif(findings: Sequence[Finding]) -> str:
 
 
 def format_rules_table(rules: Sequence[Rule]) -> str:
-    rows = [f"{'code':<6}  {'name':<34}  {'severity':<8}  {'default':<7}  fix  summary"]
+    width = max([34, *(len(rule.name) for rule in rules)])  # DD505's name is longer than the rest
+    rows = [f"{'code':<6}  {'name':<{width}}  {'severity':<8}  {'default':<7}  fix  summary"]
     for rule in rules:
         rows.append(
-            f"{rule.code:<6}  {rule.name:<34}  {rule.severity:<8}  {'on' if rule.default_on else 'off':<7}  "
+            f"{rule.code:<6}  {rule.name:<{width}}  {rule.severity:<8}  {'on' if rule.default_on else 'off':<7}  "
             f"{'yes' if rule.fixable else '-':<3}  {rule.summary}"
         )
     return "\n".join(rows)

@@ -11,6 +11,7 @@ from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 from distdoctor.lint.analysis.context import wrapper_holding
+from distdoctor.lint.analysis.sharding import FSDP2
 
 
 class Rank0LoadAfterWrap(Rule):
@@ -20,7 +21,9 @@ class Rank0LoadAfterWrap(Rule):
     module passed to `DDP(...)`) that runs only on rank 0 (`if rank == 0:`,
     `if is_main_process():`, a helper called under such a guard) after the wrap, when no
     broadcast (`dist.broadcast`, `broadcast_object_list`, `hvd.broadcast_parameters`) follows on
-    every rank.
+    every rank. The same on a model sharded by FSDP2's `fully_shard`, where each rank holds only
+    its shard of every parameter (an FSDP (v1) wrapper's `load_state_dict` is a collective there:
+    DD505 reports it).
 
     ## Why is this bad?
     DDP broadcasts rank 0's parameters once, when the wrapper is constructed; it never does so
@@ -52,6 +55,17 @@ class Rank0LoadAfterWrap(Rule):
     summary = "load_state_dict on rank 0 only after the DDP wrap: ranks train from different weights"
 
     invalid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            if dist.get_rank() == 0:
+                model.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))  # expect: DD106
+            """
+        ),
         Example(
             """
             import torch
@@ -104,6 +118,18 @@ class Rank0LoadAfterWrap(Rule):
         Example(
             """
             import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import fully_shard
+
+            model.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))  # every rank
+            fully_shard(model)
+            if dist.get_rank() == 0:
+                reference.load_state_dict(torch.load("pretrained.pt", map_location="cpu"))  # not sharded
+            """
+        ),
+        Example(
+            """
+            import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             model = Net().cuda()
@@ -144,7 +170,18 @@ class Rank0LoadAfterWrap(Rule):
             if wrapper is None:
                 receiver = trace.value(call.func.value, step)
                 wrapper = receiver if receiver is not None and receiver.kind == kinds.DDP else None
-            if wrapper is None or not ctx.under_rank_zero(trace, step):
+            if not ctx.under_rank_zero(trace, step):
+                continue
+            if wrapper is None:
+                event = ctx.sharding.in_place_sharded(trace, step, call.func.value, FSDP2)
+                if event is not None and not _broadcast_follows(ctx, trace, step):
+                    yield Report(
+                        call,
+                        f"weights are loaded on rank 0 only, after fully_shard() sharded the model (line "
+                        f"{ctx.position(event.call).start.line}): each rank holds its own shard of every parameter, so "
+                        f"the other ranks keep their initial shards. Load on every rank (or use set_model_state_dict "
+                        f"with StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) on every rank).",
+                    )
                 continue
             if _broadcast_follows(ctx, trace, step):
                 continue

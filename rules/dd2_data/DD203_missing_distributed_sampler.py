@@ -12,6 +12,7 @@ from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, says_eval
 from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.sharding import FSDP1, FSDP2, TP
 from distdoctor.lint.rule import Example, Report, Rule
 
 LOADER = frameworks.DATALOADER
@@ -31,8 +32,8 @@ MAP_STYLE_LIBRARIES = ("torchvision.datasets.", "torchaudio.datasets.", "torchte
 class MissingDistributedSampler(Rule):
     """
     ## What it does
-    Flags, in a script that trains with `DistributedDataParallel` or a Horovod
-    `DistributedOptimizer`, a `DataLoader` that is iterated by a training loop (one that calls
+    Flags, in a script that trains with `DistributedDataParallel`, FSDP / FSDP2 (`fully_shard`,
+    without tensor parallelism) or a Horovod `DistributedOptimizer`, a `DataLoader` that is iterated by a training loop (one that calls
     `backward()`) while it has no `sampler=` and no `batch_sampler=`. The finding points at the
     `DataLoader(...)` call.
 
@@ -90,6 +91,23 @@ class MissingDistributedSampler(Rule):
     summary = "DDP/Horovod training DataLoader without a DistributedSampler"
 
     invalid = (
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import fully_shard
+            from torch.utils.data import DataLoader
+
+            def main(model, train_set):
+                for block in model.layers:
+                    fully_shard(block)
+                fully_shard(model)
+                optimizer = torch.optim.AdamW(model.parameters())
+                loader = DataLoader(train_set, batch_size=8, shuffle=True)  # expect: DD203
+                for x, y in loader:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+            """
+        ),
         Example(
             """
             import torch
@@ -272,7 +290,11 @@ class MissingDistributedSampler(Rule):
 
 
 def _trains_distributed(ctx: LintContext) -> bool:
-    return any(True for _ in ctx.calls(DDP, HVD_OPTIMIZER))
+    if any(True for _ in ctx.calls(DDP, HVD_OPTIMIZER)):
+        return True
+    # FSDP and FSDP2 are data parallel too; with tensor parallelism the ranks of a TP group must
+    # read the same batch, so a plain loader may be right there.
+    return ctx.sharding.uses(FSDP1, FSDP2) and not ctx.sharding.uses(TP)
 
 
 def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:

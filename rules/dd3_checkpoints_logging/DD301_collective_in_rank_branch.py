@@ -11,9 +11,13 @@ from distdoctor.lint.analysis import kinds
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.sharding import FSDP2
 from distdoctor.lint.rule import Example, Report, Rule
 
 DDP_FORWARD = "a forward through the DistributedDataParallel wrapper"
+FSDP1_FORWARD = "forward an FSDP (v1) model"
+FSDP2_FORWARD = "forward a model sharded by fully_shard()"
+SHARDED_FORWARDS = (FSDP1_FORWARD, FSDP2_FORWARD)
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,8 @@ class CollectiveInRankBranch(Rule):
     Flags a collective call (`dist.barrier`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
     `gather`, `scatter`, `reduce_scatter`, `all_gather_object`, `broadcast_object_list`,
     `new_group`, `hvd.allreduce`, `hvd.broadcast*`, `hvd.allgather`, ...) or a forward pass
-    through a `DistributedDataParallel` wrapper that runs only under a rank condition:
+    through a `DistributedDataParallel` or FSDP wrapper, or through a model sharded by FSDP2's
+    `fully_shard`, that runs only under a rank condition:
     `if rank == 0:`, `if dist.get_rank() == 0:`, `if is_main_process():`,
     `if args.local_rank in [-1, 0]:`, or code after `if rank != 0: return`. The condition may be
     at the call site of a helper that makes the collective.
@@ -43,7 +48,9 @@ class CollectiveInRankBranch(Rule):
     ## Why is this bad?
     Every rank of the process group must enter a collective. When only rank 0 calls
     `dist.barrier()` (or `all_reduce`, ...), it waits for peers that never come, and the job
-    hangs until the NCCL timeout kills it. A DDP forward counts too: with `broadcast_buffers=True`
+    hangs until the NCCL timeout kills it. A forward through an FSDP model (the wrapper, or a
+    module sharded by FSDP2's `fully_shard`) all-gathers parameter shards from every rank, so it
+    hangs the same way. A DDP forward counts too: with `broadcast_buffers=True`
     (the default) DDP broadcasts the module's buffers from rank 0 at the start of a forward, so
     evaluating the wrapped model on rank 0 alone hangs in the same way.
 
@@ -71,6 +78,34 @@ class CollectiveInRankBranch(Rule):
     summary = "collective or DDP forward reachable on some ranks only: the job hangs"
 
     invalid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import fully_shard
+
+            def main(model, val_batch):
+                dist.init_process_group("nccl")
+                for block in model.layers:
+                    fully_shard(block)
+                fully_shard(model)
+                train(model)
+                if dist.get_rank() == 0:
+                    with torch.no_grad():
+                        print(model(val_batch).mean())  # expect: DD301
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            model = FSDP(Net(), device_id=local_rank)
+            if dist.get_rank() == 0:
+                sample = model.generate(prompt)
+                logits = model(prompt)  # expect: DD301
+            """
+        ),
         Example(
             """
             import torch.distributed as dist
@@ -148,6 +183,19 @@ class CollectiveInRankBranch(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            with torch.no_grad():
+                loss = model(val_batch).mean()  # every rank runs the forward
+            if dist.get_rank() == 0:
+                print(loss.item())
+            """
+        ),
         Example(
             """
             import horovod.torch as hvd
@@ -237,7 +285,14 @@ class CollectiveInRankBranch(Rule):
                 if guard.local:
                     where = "local rank 0" if guard.zero else "the ranks other than local rank 0"
                 guard_line = ctx.position(guard.guard.test).start.line
-                if event.what == DDP_FORWARD:
+                if event.what in SHARDED_FORWARDS:
+                    model = dotted(event.call.func) or "the model"
+                    message = (
+                        f"forward through `{model}`, {event.what.split(' ', 1)[1]}, runs only on {where} (condition "
+                        f"on line {guard_line}): the forward all-gathers each block's parameter shards from every "
+                        f"rank, and the other ranks never join, so the job hangs. Run the forward on every rank."
+                    )
+                elif event.what == DDP_FORWARD:
                     wrapper = dotted(event.call.func) or "the model"
                     message = (
                         f"forward through the DDP wrapper `{wrapper}` runs only on {where} (condition on line "
@@ -266,10 +321,28 @@ def _events(ctx: LintContext, trace: Trace) -> Iterable[_Event]:
             continue
         if what is None:
             func = trace.value(call.func, step)
-            if func is None or func.kind != kinds.DDP:
+            if func is not None and func.kind == kinds.DDP:
+                what = DDP_FORWARD
+            else:
+                what = _sharded_forward(ctx, trace, step, call)
+            if what is None:
                 continue
-            what = DDP_FORWARD
         yield _Event(step, call, what, tuple(ctx.rank_guards(trace, step)))
+
+
+def _sharded_forward(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> str | None:
+    """A forward (a call of the model itself) through an FSDP wrapper or an FSDP2 model: both
+    all-gather parameter shards, a collective."""
+    if not isinstance(call.func, (cst.Name, cst.Attribute)):
+        return None
+    sharding = ctx.sharding
+    if not sharding.any:
+        return None
+    if sharding.fsdp1_wrapper(trace, step, call.func) is not None:
+        return FSDP1_FORWARD
+    if sharding.in_place_sharded(trace, step, call.func, FSDP2) is not None:
+        return FSDP2_FORWARD
+    return None
 
 
 def _matched(event: _Event, events: list[_Event]) -> bool:

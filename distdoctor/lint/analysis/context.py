@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
@@ -19,6 +20,10 @@ from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import ImportTable, dotted
+
+
+if TYPE_CHECKING:
+    from distdoctor.lint.analysis.sharding import Sharding
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,13 @@ class LintContext:
     @cached_property
     def traces(self) -> list[Trace]:
         return build_traces(self.info)
+
+    @cached_property
+    def sharding(self) -> Sharding:
+        """Which objects FSDP, FSDP2 and tensor parallelism sharded, and where (DD5xx)."""
+        from distdoctor.lint.analysis.sharding import Sharding
+
+        return Sharding(self)
 
     def qualname(self, node: cst.CSTNode) -> str | None:
         return self.imports.qualname(node)

@@ -223,7 +223,12 @@ class Evaluator:
             inner = self.eval(node.args[0].value) if node.args else None
             return Value(DDP, node, inner=inner, name=dotted(node.args[0].value) or "" if node.args else "")
         if qual.startswith(frameworks.FSDP_PREFIX) and qual.endswith(("FullyShardedDataParallel", "FSDP")):
-            return Value("fsdp", node)
+            inner = self.eval(node.args[0].value) if node.args else None
+            return Value("fsdp", node, inner=inner)
+        if qual.endswith((".fully_shard", ".parallelize_module")) and qual.startswith("torch.distributed"):
+            # FSDP2 and tensor parallelism shard the module in place and return it: same object.
+            inner = self.eval(node.args[0].value) if node.args else None
+            return inner
         if qual in frameworks.CONVERT_SYNCBN:
             inner = self.eval(node.args[0].value) if node.args else None
             return inner if inner is not None and inner.kind != UNKNOWN else Value(MODULE, node, attrs={"syncbn": True})

@@ -1,0 +1,197 @@
+"""DD507 fp16-without-sharded-scaler: float16 with FSDP and a plain GradScaler (or none)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import libcst as cst
+
+from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.rule import Example, Report, Rule
+from distdoctor.lint.analysis.sharding import FLOAT16, FSDP1, FSDP2, dtype_name
+
+AUTOCAST = frozenset({"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.amp.autocast_mode.autocast"})
+CUDA_AUTOCAST = "torch.cuda.amp.autocast"  # float16 unless told otherwise
+POLICIES = frozenset(
+    {
+        "torch.distributed.fsdp.MixedPrecision",
+        "torch.distributed.fsdp.MixedPrecisionPolicy",
+        "torch.distributed._composable.fsdp.MixedPrecisionPolicy",
+        "torch.distributed.fsdp.fully_sharded_data_parallel.MixedPrecision",
+    }
+)
+PLAIN_SCALER = "torch.amp.GradScaler"
+
+
+class FP16WithoutShardedScaler(Rule):
+    """
+    ## What it does
+    Flags float16 mixed precision in an FSDP or FSDP2 script that has no `ShardedGradScaler`:
+    `torch.autocast(..., dtype=torch.float16)`, `torch.cuda.amp.autocast()`,
+    `MixedPrecision(param_dtype=torch.float16)` or `MixedPrecisionPolicy(param_dtype=torch.float16)`.
+    When the script builds a plain `torch.amp.GradScaler` / `torch.cuda.amp.GradScaler`, the
+    finding points at it; when it builds none, at the float16 setting.
+
+    It stays silent for bfloat16, for a dtype it cannot read, when a `ShardedGradScaler` (or a
+    scaler of the script's own) is used, and in scripts that shard nothing.
+
+    ## Why is this bad?
+    float16 gradients underflow without loss scaling. The plain `GradScaler` decides whether a
+    step overflowed from the gradients this rank holds, which under FSDP are shards: one rank may
+    skip `optimizer.step()` while the others take it, and the shards of one parameter fall out of
+    step with each other. FSDP's `ShardedGradScaler` all-reduces the overflow check across ranks.
+    bfloat16 needs no scaler at all.
+
+    ## Example
+    ```python
+    model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    scaler = torch.cuda.amp.GradScaler()
+    ```
+
+    ## Use instead
+    ```python
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    scaler = ShardedGradScaler()
+    # or MixedPrecision(param_dtype=torch.bfloat16) and no scaler
+    ```
+
+    ## Fix safety
+    No autofix: replacing the scaler changes which import the script needs and how its state is
+    checkpointed.
+    """
+
+    code = "DD507"
+    name = "fp16-without-sharded-scaler"
+    severity = "warning"
+    summary = "float16 with FSDP and a plain GradScaler (or none): use ShardedGradScaler or bfloat16"
+
+    invalid = (
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+            model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+            scaler = torch.cuda.amp.GradScaler()  # expect: DD507
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            for x in loader:
+                with torch.autocast("cuda", dtype=torch.float16):  # expect: DD507
+                    loss = model(x).sum()
+                loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.cuda.amp import autocast, GradScaler
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            def main(net):
+                model = FullyShardedDataParallel(net)
+                scaler = GradScaler(enabled=True)  # expect: DD507
+                for x in loader:
+                    with autocast():
+                        loss = model(x).sum()
+                    scaler.scale(loss).backward()
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+            scaler = ShardedGradScaler()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model)
+            scaler = torch.cuda.amp.GradScaler()  # DDP: the plain scaler is right
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).sum()
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            with torch.autocast("cuda", dtype=args.dtype):  # cannot tell
+                loss = model(x).sum()
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        sharding = ctx.sharding
+        sources = list(_fp16_sources(ctx, sharding.uses(FSDP1, FSDP2)))
+        if not sources or _has_other_scaler(ctx):
+            return
+        plain = [node for node in ctx.nodes(cst.Call) if ctx.qualname(node.func) == PLAIN_SCALER]
+        source_line = ctx.position(sources[0][0]).start.line
+        if plain:
+            for node in plain:
+                yield Report(
+                    node,
+                    f"a plain GradScaler with float16 under FSDP (line {source_line}): it checks for overflow on this "
+                    f"rank's gradient shards only, so ranks can disagree on skipping a step. Use "
+                    f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, or bfloat16 without a scaler.",
+                )
+            return
+        for node, what in sources:
+            yield Report(
+                node,
+                f"{what} with FSDP and no gradient scaler: float16 gradients underflow. Use bfloat16, or scale the "
+                f"loss with torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler.",
+            )
+
+
+def _fp16_sources(ctx: LintContext, shards: bool) -> Iterator[tuple[cst.Call, str]]:
+    for node in ctx.nodes(cst.Call):
+        qual = ctx.qualname(node.func)
+        if qual in POLICIES:
+            if dtype_name(ctx, syntax.argument(node, 0, "param_dtype")) in FLOAT16:
+                yield node, f"{qual.rsplit('.', 1)[-1]}(param_dtype=torch.float16)"
+        elif shards and qual in AUTOCAST:
+            dtype = syntax.keyword(node, "dtype")
+            if dtype is None and qual == CUDA_AUTOCAST and syntax.keyword(node, "enabled") is None:
+                yield node, "torch.cuda.amp.autocast() (float16)"
+            elif dtype is not None and dtype_name(ctx, dtype) in FLOAT16:
+                yield node, "float16 autocast"
+
+
+def _has_other_scaler(ctx: LintContext) -> bool:
+    """A ShardedGradScaler, or a scaler class of the script's own: assume it is right."""
+    for node in ctx.nodes(cst.Call):
+        text = dotted(node.func) or ""
+        if "Scaler" in text.rsplit(".", 1)[-1] and ctx.qualname(node.func) != PLAIN_SCALER:
+            return True
+    return False
