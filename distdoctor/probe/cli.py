@@ -141,11 +141,14 @@ def dispatch(
 
 
 def exit_status(report: Report) -> int:
-    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted."""
+    """0 when no check fails, 1 when one does, 2 when the launch itself failed or every check was
+    skipped (nothing verified), 130 when interrupted."""
     if report.extra.get("interrupted") or any(c.details.get("launch", {}).get("interrupted") for c in report.checks):
         return EXIT_INTERRUPTED
     if any(check.id == "launch" and check.failed for check in report.checks):
         return EXIT_USAGE
+    if report.checks and not report.verified:
+        return EXIT_USAGE  # nothing verified: not a pass (the report says why)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

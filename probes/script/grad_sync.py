@@ -9,7 +9,17 @@ Planted fault: fixtures/probe/fault_layer_after_wrap.py, fixtures/probe/fault_no
 from __future__ import annotations
 
 from distdoctor.probe.report import CheckResult
-from distdoctor.probe.script.records import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
+import math
+
+from distdoctor.probe.script.records import (
+    RunTrace,
+    coverage,
+    describe_groups,
+    first_divergence,
+    fmt_checksum,
+    list_names,
+    odd_ranks,
+)
 
 ID = "grad-sync"
 
@@ -19,11 +29,22 @@ def run(trace: RunTrace) -> CheckResult:
     if len(trace.ranks) < 2:
         return CheckResult(ID, "skip", "one rank: nothing to compare")
     divergence, compared = first_divergence(trace, ("grad",))
+    covered = coverage(trace)
+    shown = {"compared_parameters": len(covered.compared), "not_compared": list(covered.one_copy[:50])}
     if divergence is None:
         if compared == 0:
             return CheckResult(ID, "skip", "no optimizer step was observed on every rank")
-        return CheckResult(ID, "pass", f"gradients equal on {len(trace.ranks)} ranks at each of {compared} steps",
-                           details={"compared_steps": compared})
+        bad = non_finite_shard(trace, set(covered.one_copy))
+        if bad is not None:
+            return bad
+        if not covered.compared:
+            return CheckResult(ID, "pass", f"every parameter is sharded with one copy per rank, so no gradient "
+                               f"could be compared across ranks; each rank's gradient shards were finite at each "
+                               f"of {compared} steps", details={"compared_steps": compared, **shown})
+        return CheckResult(ID, "pass", f"gradients of {len(covered.compared)} parameters equal across their replicas "
+                           f"at each of {compared} steps" + covered.note()
+                           + ("; the sharded ones were finite on every rank" if covered.one_copy else ""),
+                           details={"compared_steps": compared, **shown})
     odd = odd_ranks(divergence.groups)
     outside = [p for p, flag in divergence.in_ddp.items() if flag is False]
     has_ddp = any(t.ddp for t in trace.ranks.values())
@@ -40,9 +61,29 @@ def run(trace: RunTrace) -> CheckResult:
                + (f" ({len(divergence.params)} parameters differ)" if len(divergence.params) > 1 else "") + cause)
     return CheckResult(
         ID, "fail", summary,
-        ranks={str(r): {"checksum": divergence.values[r]} for r in trace.rank_ids},
+        ranks={str(r): {"checksum": divergence.values.get(r)} for r in trace.rank_ids},
         details={"step": divergence.step, "optimizer": divergence.opt, "parameter": divergence.params[0],
                  "parameters": list(divergence.params), "ranks": odd, "groups": divergence.groups,
                  "values": describe_groups(divergence.groups, lambda r: fmt_checksum(divergence.values[r])),
                  "not_in_ddp": outside, "compared_steps": compared},
     )
+
+
+def non_finite_shard(trace: RunTrace, one_copy: set[str]) -> CheckResult | None:
+    """A NaN/inf gradient shard of a parameter no other rank holds (the only evidence there is)."""
+    for opt in sorted({o for t in trace.ranks.values() for o in t.optimizers}):
+        names = trace.param_names(opt)
+        watched = [j for j, name in enumerate(names) if name in one_copy]
+        if not watched:
+            continue
+        for rank in trace.rank_ids:
+            for step in (s for s in trace.ranks[rank].steps if s.opt == opt):
+                for j in watched:
+                    value = step.grad[j] if j < len(step.grad) else None
+                    if value is not None and not all(math.isfinite(v) for v in value):
+                        return CheckResult(
+                            ID, "fail", f"the gradient shard of {names[j]} held by rank {rank} is not finite at step "
+                            f"{step.n} ({fmt_checksum(value)}), step at {trace.site(step.site)}",
+                            ranks={str(rank): {"checksum": value}},
+                            details={"step": step.n, "ranks": [rank], "parameter": names[j], "optimizer": opt})
+    return None

@@ -34,8 +34,8 @@ from distdoctor.probe.script.records import RunTrace
 from distdoctor.probe.script.watch import StallWatcher
 
 # One module per check, in report order (each has ID and run(trace) -> CheckResult).
-CHECK_MODULES = ("param_sync", "grad_sync", "epoch_shuffle", "data_shard", "desync", "loss")
-CHECK_IDS = ("param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss")
+CHECK_MODULES = ("param_sync", "grad_sync", "epoch_shuffle", "data_shard", "desync", "loss", "hparams")
+CHECK_IDS = ("param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss", "hparams")
 FRAMEWORKS = ("torch", "horovod")
 
 
@@ -79,9 +79,21 @@ def run_script_probe(
     run = observe_script(script, script_args, spec, steps=steps, framework=framework, start_ranks=launch,
                          log_file=log_file, keep_run_dir=keep_run_dir)
     backend = next((t.backend for t in run.trace.ranks.values() if t.backend), spec.backend)
+    extra = {"script": run.script, "steps": steps, "overhead": overhead(run.trace),
+             "interrupted": run.launch.interrupted}
+    if all(c.status == "skip" for c in run.checks):
+        extra["nothing_verified"] = nothing_verified(run.trace, run.checks)
     return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=run.duration_s,
-                  checks=run.checks, extra={"script": run.script, "steps": steps, "overhead": overhead(run.trace),
-                                            "interrupted": run.launch.interrupted})
+                  checks=run.checks, extra=extra)
+
+
+def nothing_verified(trace: RunTrace, checks: Sequence[CheckResult]) -> str:
+    """Why every check was skipped, in one line: how the ranks ended, else the first skip's reason."""
+    root = os.path.dirname(trace.script)
+    ends = sorted({t.where(root) for t in trace.ranks.values()})
+    if ends:
+        return f"every check was skipped: {'; '.join(ends)}"
+    return f"every check was skipped: {checks[0].summary}" if checks else "no check ran"
 
 
 def observe_script(
@@ -135,7 +147,27 @@ def observe_script(
 
 def run_checks(trace: RunTrace) -> tuple[CheckResult, ...]:
     """Every script check's verdict on `trace`, in report order."""
-    return tuple(_run_check(name, trace) for name in CHECK_MODULES)
+    return tuple(unobserved(_run_check(name, trace), trace) for name in CHECK_MODULES)
+
+
+def unobserved(check: CheckResult, trace: RunTrace) -> CheckResult:
+    """`check` as an `error` of the probe's own when a hook it relies on failed on some rank (the
+    hook was disabled there, the script went on): its verdict rests on part of the run only.
+    A failure found before that stands."""
+    failures = [(rank, e) for rank, t in trace.ranks.items() for e in t.probe_errors
+                if check.id in protocol.OBSERVATIONS.get(e.get("what", ""), ("", ()))[1]]
+    if not failures or check.status == "fail":
+        return check
+    rank, first = min(failures, key=lambda item: item[0])
+    what = protocol.OBSERVATIONS.get(first.get("what", ""), (first.get("what", "?"), ()))[0]
+    ranks = sorted({r for r, _ in failures})
+    summary = (f"distdoctor could not observe {what} on rank(s) {','.join(map(str, ranks))} from step "
+               f"{first.get('step', 0) + 1} ({first.get('type')}: {str(first.get('message', '')).splitlines()[0][:160]}"
+               f" in the probe's {first.get('hook')}); the script itself was not affected. "
+               f"Before that: {check.status}: {check.summary}")
+    return CheckResult(check.id, "error", summary, ranks=check.ranks,
+                       details={**check.details, "probe_error": {"rank": rank, **{k: first.get(k) for k in (
+                           "what", "hook", "type", "message", "step", "traceback")}}, "verdict_before": check.status})
 
 
 def _run_check(module_name: str, trace: RunTrace) -> CheckResult:
