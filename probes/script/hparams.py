@@ -148,14 +148,15 @@ def verdict(per_rank: Mapping[int, Sequence[StepSettings]]) -> CheckResult:
     difference, compared = _first_difference(per_rank)
     if difference is None:
         sample = next(s for steps in per_rank.values() for s in steps if s.groups)
-        fields = sorted({k for g in sample.groups for k in g})
+        order = ("lr", "betas", "momentum", "weight_decay", "eps")
+        fields = sorted({k for g in sample.groups for k in g}, key=lambda k: (order.index(k) if k in order else 9, k))
         opts = len({s.opt for steps in per_rank.values() for s in steps})
         extra = []
         if any(s.clips for steps in per_rank.values() for s in steps):
             extra.append("clipping")
         if any(s.scale is not None for steps in per_rank.values() for s in steps):
             extra.append("GradScaler scale")
-        what = ", ".join(fields[:6]) + (f" and {', '.join(extra)}" if extra else "")
+        what = ", ".join(fields[:5]) + (f" and {', '.join(extra)}" if extra else "")
         return CheckResult(ID, "pass", f"{what} of {opts} optimizer(s) equal on {len(per_rank)} ranks at each of "
                            f"{compared} steps", details={"compared_steps": compared, "fields": fields})
     groups = group_ranks(difference.values, lambda a, b: _equal(a[0], b[0]) if difference.field == "clip"

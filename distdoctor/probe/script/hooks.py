@@ -410,7 +410,7 @@ class Probe:
 
     def on_global_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.forward_depth += 1
-        if self.forward_depth == 1 and id(module) not in self.model_ids:
+        if self.forward_depth == 1 and id(module) not in self.model_ids and not _in_backward():
             began = time.perf_counter()
             if next(iter(module.parameters()), None) is not None and "forward" not in self.disabled:
                 # a loss module is not "the model"
@@ -575,6 +575,15 @@ class Probe:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.write(protocol.ERROR, type=type(exc).__name__, message=str(exc)[:2000], site=site,
                    traceback=text[-6000:], **self.summary())
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (activation checkpointing re-runs forwards there:
+    those modules are not models the script calls)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:
+        return False
 
 
 def _source_line(site: str) -> str:
