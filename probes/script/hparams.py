@@ -146,6 +146,8 @@ def verdict(per_rank: Mapping[int, Sequence[StepSettings]]) -> CheckResult:
     if not any(s.groups for steps in per_rank.values() for s in steps):
         return CheckResult(ID, "skip", "no optimizer step with readable hyperparameters was observed on every rank")
     difference, compared = _first_difference(per_rank)
+    if difference is None and compared == 0:
+        return CheckResult(ID, "skip", "no optimizer step was made by every rank: nothing to compare")
     if difference is None:
         sample = next(s for steps in per_rank.values() for s in steps if s.groups)
         order = ("lr", "betas", "momentum", "weight_decay", "eps")

@@ -632,9 +632,11 @@ def install_torch_hooks(probe: Probe) -> None:
     ddp_class = _ddp_class()
     ddp_init = ddp_class.__init__
     on_ddp = probe.guarded("ddp", probe.on_ddp)
+    ddp_begins = probe.guarded("ddp", lambda: probe.write(protocol.DDP_BEGIN, site=user_site(4)))
 
     @functools.wraps(ddp_init)
     def init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        ddp_begins()
         ddp_init(self, module, *args, **kwargs)
         on_ddp(self, bool(kwargs.get("init_sync", True)))
 

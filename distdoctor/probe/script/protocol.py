@@ -29,6 +29,8 @@ SAMPLER_ITER, STEP, STOP, EXIT, ERROR = "sampler", "step", "stop", "exit", "erro
 # A sampler pass during which an optimizer step happened; the probe's own hook failing; a
 # tensor-parallel group (parallelize_module).
 SAMPLER_FED, PROBE_ERROR, TENSOR_PARALLEL = "sampler_fed", "probe_error", "tp"
+# DDP's constructor entered (its parameter broadcast is a collective of its own); DDP is written after.
+DDP_BEGIN = "ddp_begin"
 # What each observation feeds: a failed hook (PROBE_ERROR's "what") makes these checks unreliable.
 OBSERVATIONS = {
     "steps": ("optimizer steps", ("param-sync", "grad-sync", "data-shard", "loss", "hparams", "desync")),

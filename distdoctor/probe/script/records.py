@@ -75,6 +75,7 @@ class RankTrace:
     probe_errors: list[dict[str, Any]] = field(default_factory=list)  # the probe's own hooks that failed
     tensor_parallel: list[list[int]] = field(default_factory=list)  # ranks of each parallelize_module mesh
     fed_passes: set[tuple[int, int]] = field(default_factory=set)  # (sampler, pass) that fed optimizer steps
+    open_ddp: str | None = None  # the site of a DDP construction entered and not finished
 
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("e")
@@ -86,8 +87,11 @@ class RankTrace:
             self.steps.append(_step(record))
         elif kind == protocol.OPTIMIZER:
             self.optimizers[int(record["opt"])] = record
+        elif kind == protocol.DDP_BEGIN:
+            self.open_ddp = record.get("site", "?")
         elif kind == protocol.DDP:
             self.ddp.append(record)
+            self.open_ddp = None
         elif kind == "model":
             self.models.append(record)
         elif kind == protocol.BACKWARD:
@@ -127,10 +131,14 @@ class RankTrace:
             if kind == protocol.STOP:
                 return f"stopped by the probe after step {steps}"
             if kind == protocol.ERROR:
-                return f"raised {self.end.get('type')} at {short_site(self.end.get('site', '?'), root)} after step {steps}"
+                inside = " inside DDP's construction (its parameter broadcast)" if self.open_ddp else ""
+                return (f"raised {self.end.get('type')}{inside} at {short_site(self.end.get('site', '?'), root)} "
+                        f"after step {steps}")
             code = self.end.get("code")
             code = 0 if code is None else code  # sys.exit() and sys.exit(None) exit with 0
             return f"the script ended (exit status {code}) after step {steps}"
+        if self.open_ddp is not None:
+            return f"inside DDP's construction (its parameter broadcast) at {short_site(self.open_ddp, root)} after step {steps}"
         if self.open_collective is not None:
             op, site = self.collectives[self.open_collective]
             return f"inside {op} #{self.open_collective} at {short_site(site, root)} after step {steps}"
