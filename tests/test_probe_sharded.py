@@ -242,3 +242,31 @@ def test_a_failing_probe_hook_disables_itself_and_never_reaches_the_script(tmp_p
     assert len(errors) == 1 and errors[0]["what"] == "steps" and "tensor subclasses" in errors[0]["message"]
     guarded = probe.guarded("forward", lambda: 1 / 0)
     assert guarded() is None and "forward" in probe.disabled
+
+
+# --- HSDP on a 2x2 mesh: four real ranks ----------------------------------------------------------
+
+NPROC4 = Path(__file__).resolve().parent.parent / "fixtures" / "probe" / "nproc4"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", sorted(NPROC4.glob("*.py")), ids=lambda p: p.stem)
+def test_hsdp_fixtures_on_four_ranks(fixture: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from test_probe_script import expectations
+
+    from distdoctor.probe.launch.torchrun import LaunchSpec
+    from distdoctor.probe.script.launcher import run_script_probe
+
+    report = run_script_probe(str(fixture), [], LaunchSpec(nproc=4, backend="gloo", timeout_s=90.0), steps=6,
+                              framework="torch", log_file=str(tmp_path / "output.log"))
+    checks = {c.id: c for c in report.checks}
+    for check_id, (status, detail) in expectations(fixture).items():
+        check = checks[check_id]
+        assert check.status == status, (check_id, check.summary)
+        if "ranks" in detail:
+            assert check.details.get("ranks") == [int(r) for r in detail["ranks"].split("+")], check.details
+        if "parameter" in detail:
+            assert check.details.get("parameter") == detail["parameter"], check.details
+    if fixture.name.startswith("healthy"):
+        assert report.ok and "replicas" in checks["param-sync"].summary

@@ -55,8 +55,10 @@ def run(trace: RunTrace) -> CheckResult:
         no_sync = [d for t in trace.ranks.values() for d in t.ddp if d.get("init_sync") is False]
         cause = ("; DDP was built with init_sync=False" if no_sync
                  else "; initialised per rank and never broadcast (or changed on a rank after the DDP wrap)")
-    if divergence.layout != "a replica":
-        cause += f" ({divergence.layout}: these ranks hold the same replica)"
+    if divergence.layout != "a replica":  # a DTensor: fully_shard / parallelize_module broadcast nothing
+        cause = (f"; {divergence.layout}: these ranks hold the same replica, initialised differently (seed every "
+                 "rank alike or load the same weights before the wrap) or changed on a rank after the wrap"
+                 if divergence.key == "param0" else f"; {divergence.layout}: these ranks hold the same replica")
     summary = (f"{name} differs across ranks {divergence.when}: rank(s) {','.join(map(str, odd))} differ from "
                f"rank {divergence.groups[0][0]}" + (f" ({len(divergence.params)} parameters differ)"
                                                     if len(divergence.params) > 1 else "") + cause)
