@@ -564,7 +564,7 @@ class Probe:
         self.flush_pending()
         self.write(protocol.EXIT, code=code if isinstance(code, int) or code is None else str(code), **self.summary())
 
-    def error(self, exc: BaseException) -> None:
+    def error(self, exc: BaseException, exit_code: Any = None) -> None:
         if self.finished:
             return
         self.finished = True
@@ -573,8 +573,9 @@ class Probe:
         user = [f for f in frames if not f.filename.startswith(_SKIP_PREFIXES)]
         site = f"{user[-1].filename}:{user[-1].lineno}" if user else "?"
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        extra = {} if exit_code is None else {"exit_code": exit_code if isinstance(exit_code, int) else str(exit_code)}
         self.write(protocol.ERROR, type=type(exc).__name__, message=str(exc)[:2000], site=site,
-                   traceback=text[-6000:], **self.summary())
+                   traceback=text[-6000:], **extra, **self.summary())
 
 
 def _in_backward() -> bool:
