@@ -71,6 +71,9 @@ def _parted_at_step(trace: RunTrace, index: int) -> CheckResult:
             text += f" and never reached the step ({trace.ranks[rank].where(trace.script.rpartition('/')[0] or None)})"
         elif len({made[r][2] for r in made if r not in unfinished}) > 1:
             text += f", {forwards} DDP forward(s) that prepared a gradient all-reduce (none does under no_sync())"
+        if trace.stall and rank not in unfinished and trace.stall.waiting.get(rank):
+            # where it went on to wait: FSDP's all-gather, DDP's all-reduce, the next collective
+            text += f", then waited at {trace.stall.waiting[rank]}"
         return text
 
     parts = "; ".join(f"rank {','.join(map(str, g))} made {show(g[0])}" for g in groups)
