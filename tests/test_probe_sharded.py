@@ -270,3 +270,22 @@ def test_hsdp_fixtures_on_four_ranks(fixture: Path, tmp_path: Path) -> None:
             assert check.details.get("parameter") == detail["parameter"], check.details
     if fixture.name.startswith("healthy"):
         assert report.ok and "replicas" in checks["param-sync"].summary
+
+
+@pytest.mark.slow
+def test_grad_scaler_loss_is_unscaled_and_the_script_report_has_a_loss_plot(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    from distdoctor.probe.launch.torchrun import LaunchSpec
+    from distdoctor.probe.plots import write_report
+    from distdoctor.probe.script.launcher import run_script_probe
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "probe" / "healthy_grad_scaler.py"
+    report = run_script_probe(str(fixture), [], LaunchSpec(nproc=2, backend="gloo", timeout_s=90.0), steps=4,
+                              framework="torch", log_file=str(tmp_path / "output.log"))
+    checks = {c.id: c for c in report.checks}
+    curve = checks["loss"].ranks["0"]["curve"]
+    assert len(curve) == 4 and max(curve) < 100, curve  # the scaled loss would be ~2**16 times larger
+    assert "GradScaler scale" in checks["hparams"].summary
+    written = write_report(report, tmp_path / "report")
+    assert tmp_path / "report" / "loss.png" in written and (tmp_path / "report" / "loss.png").stat().st_size > 0
