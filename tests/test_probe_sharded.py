@@ -242,6 +242,10 @@ def test_a_failing_probe_hook_disables_itself_and_never_reaches_the_script(tmp_p
     assert len(errors) == 1 and errors[0]["what"] == "steps" and "tensor subclasses" in errors[0]["message"]
     guarded = probe.guarded("forward", lambda: 1 / 0)
     assert guarded() is None and "forward" in probe.disabled
+    import functools
+
+    unnamed = probe.guarded("collectives", functools.partial(int, "not a number"))  # no __name__
+    assert unnamed() is None and "collectives" in probe.disabled
 
 
 # --- HSDP on a 2x2 mesh: four real ranks ----------------------------------------------------------

@@ -184,7 +184,7 @@ class Probe:
             try:
                 return hook(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the probe's problem, never the script's
-                self.disable(what, hook.__name__, exc)
+                self.disable(what, getattr(hook, "__name__", what), exc)
                 return None
 
         return safe
