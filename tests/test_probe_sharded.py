@@ -293,3 +293,19 @@ def test_grad_scaler_loss_is_unscaled_and_the_script_report_has_a_loss_plot(tmp_
     assert "GradScaler scale" in checks["hparams"].summary
     written = write_report(report, tmp_path / "report")
     assert tmp_path / "report" / "loss.png" in written and (tmp_path / "report" / "loss.png").stat().st_size > 0
+
+
+def test_fsdp1_shards_are_laid_out_as_one_copy_per_rank_and_plain_ddp_records_do_not_grow():
+    torch = pytest.importorskip("torch")
+    from distdoctor.probe.script import tensors
+
+    plain = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    assert tensors.layouts(plain) == (None, [])
+    flat = torch.nn.Parameter(torch.ones(4))
+    flat._fsdp_flattened = True
+    spec, meshes = tensors.layouts([flat, plain[0]])
+    assert spec == [[0, "S0"], None] and meshes == [{"ranks": [0], "names": ["fsdp1"], "coord": [0]}]
+    records = {r: {"spec": spec, "meshes": [{**meshes[0], "ranks": [0, 1], "coord": [r]}]} for r in range(2)}
+    assert layouts.comparison_groups(records, 0) == [] and layouts.comparison_groups(records, 1) == [[0, 1]]
+    sums = tensors.checksums([flat, plain[0]])
+    assert [float(v) for v in sums] == pytest.approx([4.0, 2.0, 3.0, 3 ** 0.5])

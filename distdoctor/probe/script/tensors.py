@@ -76,17 +76,41 @@ def describe_mesh(mesh: Any) -> dict[str, Any]:
             "coord": mesh.get_coordinate()}
 
 
+def flattened_by_fsdp1(t: Any) -> bool:
+    """A FlatParameter of FSDP1 (FullyShardedDataParallel), or an original parameter it turned into
+    a view of its local shard (use_orig_params=True): plain tensors, a different piece on each rank."""
+    return bool(getattr(t, "_fsdp_flattened", False) or getattr(t, "_is_flat_param", False))
+
+
+def _fsdp1_mesh() -> dict[str, Any]:
+    """FSDP1's shards as a 1D mesh over the default group (each rank its own piece); hybrid
+    sharding is taken as sharded too: not compared, never a false difference."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    return {"ranks": list(range(world)), "names": ["fsdp1"], "coord": [rank]}
+
+
 def layouts(tensors: list[torch.Tensor]) -> tuple[list[Any] | None, list[dict[str, Any]]]:
     """Per tensor [mesh index, placements] (None for a plain tensor), and the meshes they index.
 
-    Both are None/[] when no tensor is a DTensor, so plain DDP records do not grow.
+    Both are None/[] when no tensor is a DTensor or an FSDP1 shard, so plain DDP records do not grow.
     """
-    if not any(is_dtensor(t) for t in tensors):
+    if not any(is_dtensor(t) or flattened_by_fsdp1(t) for t in tensors):
         return None, []
     meshes: list[Any] = []
     out: list[Any] = []
+    fsdp1: int | None = None
+    described: list[dict[str, Any]] = []
     for t in tensors:
         mesh = mesh_of(t)
+        if mesh is None and flattened_by_fsdp1(t):
+            if fsdp1 is None:
+                meshes.append(None)
+                described.append(_fsdp1_mesh())
+                fsdp1 = len(meshes) - 1
+            out.append([fsdp1, "S0"])
+            continue
         if mesh is None:
             out.append(None)
             continue
@@ -95,9 +119,10 @@ def layouts(tensors: list[torch.Tensor]) -> tuple[list[Any] | None, list[dict[st
                 break
         else:
             meshes.append(mesh)
+            described.append(describe_mesh(mesh))
             index = len(meshes) - 1
         out.append([index, placement_text(t.placements)])  # type: ignore[attr-defined]
-    return out, [describe_mesh(m) for m in meshes]
+    return out, described
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
