@@ -54,6 +54,8 @@ def run(trace: RunTrace) -> CheckResult:
         ddp_site = next((trace.site(d["site"]) for t in trace.ranks.values() for d in t.ddp), "?")
         cause = (f"; {list_names(outside)} not in the model DDP wrapped at {ddp_site}: "
                  "its gradient is never all-reduced (attached after the wrap?)")
+    elif divergence.layout != "a replica":  # FSDP2 / tensor parallel reduce gradients themselves
+        cause = f"; {divergence.layout}: these ranks hold the same replica"
     elif not has_ddp:
         cause = "; no DistributedDataParallel was built and the gradients were not all-reduced"
     else:

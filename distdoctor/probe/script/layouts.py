@@ -25,7 +25,7 @@ def layout_key(record: Mapping[str, Any], index: int, placements: str | None = N
     spec = record.get("spec")
     entry = spec[index] if spec and index < len(spec) else None
     if entry is None:
-        return ("replica",)
+        return ("replica",)  # by position, as the optimizers list them: what DDP and ZeRO compare
     mesh_index, own = entry
     meshes = record.get("meshes") or []
     if mesh_index >= len(meshes):
@@ -36,7 +36,13 @@ def layout_key(record: Mapping[str, Any], index: int, placements: str | None = N
     if coord is None or len(coord) != len(kinds) or any(k[:1] not in ("S", "R") for k in kinds):
         return None  # Partial, unknown placements, or this rank outside the mesh
     fixed = tuple(c if k.startswith("S") else "*" for c, k in zip(coord, kinds))
-    return (json.dumps(mesh.get("ranks")), placements or own, fixed)
+    # Meshes are matched by shape and dimension names, not by their ranks: the tensor-parallel
+    # ranks of one FSDP2 dp group hold the same shard of a parameter laid out on that dp submesh
+    # only (a norm tensor parallelism replicates). The name keeps apart pipeline stages' parameters.
+    names = record.get("names") or []
+    name = names[index] if index < len(names) else index
+    shape = json.dumps(_shape(mesh.get("ranks")))
+    return (shape, tuple(mesh.get("names") or ()), placements or own, fixed, name)
 
 
 def comparison_groups(records: Mapping[int, Mapping[str, Any]], index: int,

@@ -55,7 +55,7 @@ def placement_text(placements: Any) -> str:
     """'S0,R' for (Shard(0), Replicate()); 'P' for Partial; '?' for a kind unknown to the probe."""
     parts = []
     for p in placements:
-        if p.is_shard():
+        if p.is_shard() or "Shard" in type(p).__name__:  # _StridedShard (FSDP2 over tensor parallel)
             parts.append(f"S{getattr(p, 'dim', '')}")
         elif p.is_replicate():
             parts.append("R")
