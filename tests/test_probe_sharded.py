@@ -309,3 +309,14 @@ def test_fsdp1_shards_are_laid_out_as_one_copy_per_rank_and_plain_ddp_records_do
     assert layouts.comparison_groups(records, 0) == [] and layouts.comparison_groups(records, 1) == [[0, 1]]
     sums = tensors.checksums([flat, plain[0]])
     assert [float(v) for v in sums] == pytest.approx([4.0, 2.0, 3.0, 3 ** 0.5])
+
+
+def test_script_checks_are_validated_and_hparams_is_one_of_them(monkeypatch):
+    monkeypatch.setattr(cli_probe, "count_visible_gpus", lambda allow_torch: 0)
+    calls = []
+    monkeypatch.setattr(cli_probe, "dispatch", lambda *a, **k: calls.append(k) or Report(
+        "script", "gloo", 2, 1.0, (CheckResult("hparams", "pass", "equal"),)))
+    bad = CliRunner().invoke(main, ["probe", "train.py", "--checks", "hparams,bogus"])
+    assert bad.exit_code == 2 and "bogus" in bad.output and "hparams" in bad.output and not calls
+    good = CliRunner().invoke(main, ["probe", "train.py", "--checks", "hparams"])
+    assert good.exit_code == 0 and calls

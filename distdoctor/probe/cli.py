@@ -189,6 +189,12 @@ def probe(script, script_args, gpus, nproc, backend, steps, timeout, framework, 
         framework = script_framework(script) if script is not None else "torch"
     wanted_checks = _split_ids(checks)
     faults = _split_ids(inject) or ()
+    if script is not None and wanted_checks:
+        from distdoctor.probe.script.launcher import CHECK_IDS as SCRIPT_CHECK_IDS
+
+        unknown = sorted(set(wanted_checks) - set(SCRIPT_CHECK_IDS))
+        if unknown:
+            raise click.UsageError(f"unknown check(s) {', '.join(unknown)}; script checks: {', '.join(SCRIPT_CHECK_IDS)}")
     if script is None and framework == "torch":
         from distdoctor.probe.builtin.protocol import CHECK_IDS, FAULTS
 
