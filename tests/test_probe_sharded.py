@@ -152,8 +152,10 @@ def test_a_failed_hook_makes_its_checks_an_error_of_the_probe_not_a_pass():
     result = unobserved(passing, trace)
     assert result.status == "error" and result.summary.startswith("distdoctor could not observe optimizer steps")
     assert "rank(s) 0 from step 3" in result.summary and "the script itself was not affected" in result.summary
-    found = CheckResult("param-sync", "fail", "w differs")
+    found = CheckResult("param-sync", "fail", "w differs", details={"step": 1})
     assert unobserved(found, trace) is found  # a finding made before the hook failed stands
+    later = CheckResult("desync", "fail", "ranks ended at different points", details={"step": 3})
+    assert unobserved(later, trace).status == "error"  # the records that stopped, not the script
     other = CheckResult("epoch-shuffle", "pass", "ok")
     assert unobserved(other, trace) is other  # sampler observation still worked
 

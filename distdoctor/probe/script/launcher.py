@@ -153,12 +153,16 @@ def run_checks(trace: RunTrace) -> tuple[CheckResult, ...]:
 def unobserved(check: CheckResult, trace: RunTrace) -> CheckResult:
     """`check` as an `error` of the probe's own when a hook it relies on failed on some rank (the
     hook was disabled there, the script went on): its verdict rests on part of the run only.
-    A failure found before that stands."""
+    A failure found at a step the ranks made before that stands; one after it may be the missing
+    records themselves (a rank whose steps stopped being recorded looks like a rank that stopped)."""
     failures = [(rank, e) for rank, t in trace.ranks.items() for e in t.probe_errors
                 if check.id in protocol.OBSERVATIONS.get(e.get("what", ""), ("", ()))[1]]
-    if not failures or check.status == "fail":
+    if not failures:
         return check
-    rank, first = min(failures, key=lambda item: item[0])
+    rank, first = min(failures, key=lambda item: (int(item[1].get("step") or 0), item[0]))
+    found_at = check.details.get("step")
+    if check.status == "fail" and isinstance(found_at, int) and found_at <= int(first.get("step") or 0):
+        return check
     what = protocol.OBSERVATIONS.get(first.get("what", ""), (first.get("what", "?"), ()))[0]
     ranks = sorted({r for r, _ in failures})
     summary = (f"distdoctor could not observe {what} on rank(s) {','.join(map(str, ranks))} from step "
