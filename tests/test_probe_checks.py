@@ -45,7 +45,7 @@ def test_report_order_is_the_catalog_order():
     assert [c.id for c in checks_of("builtin", "torch")] == [
         "env", "collectives", "bandwidth", "grad-sync", "param-sync", "syncbn", "sampler", "convergence"]
     assert [c.id for c in checks_of("builtin", "horovod")] == ["env", "grad-sync", "param-sync", "convergence"]
-    script = ["param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss"]
+    script = ["param-sync", "grad-sync", "epoch-shuffle", "data-shard", "desync", "loss", "hparams"]
     assert [c.id for c in checks_of("script", "torch")] == [c.id for c in checks_of("script", "horovod")] == script
     # The user's order does not change the report's.
     assert [c.id for c in select_checks("script", "torch", ["loss", "param-sync"])] == ["param-sync", "loss"]

@@ -164,8 +164,9 @@ def validate_selection(script: str | None, framework: str, checks: Sequence[str]
 
 
 def exit_status(report: Report) -> int:
-    """0 when no check fails, 1 when one does, 2 when the launch itself failed, 130 when interrupted.
-    A node other than node 0 judges nothing: 0 when its ranks ran and their records reached node 0."""
+    """0 when no check fails, 1 when one does, 2 when the launch itself failed or every check was
+    skipped (nothing verified), 130 when interrupted. A node other than node 0 judges nothing: 0 when
+    its ranks ran and their records reached node 0."""
     if "relayed_to" in report.extra:
         if report.extra.get("interrupted"):
             return EXIT_INTERRUPTED
@@ -174,6 +175,8 @@ def exit_status(report: Report) -> int:
         return EXIT_INTERRUPTED
     if any(check.id == "launch" and check.failed for check in report.checks):
         return EXIT_USAGE
+    if report.checks and not report.verified:
+        return EXIT_USAGE  # nothing verified: not a pass (the report says why)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

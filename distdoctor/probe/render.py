@@ -32,13 +32,29 @@ def _evidence_lines(check: CheckResult) -> list[str]:
     return lines
 
 
+def _overhead_line(overhead: Any) -> str:
+    """'probe overhead: 0.42 ms per step (1.3% of training time) at most, over 2 ranks'."""
+    if not isinstance(overhead, dict) or not overhead.get("ranks"):
+        return ""
+    ranks = overhead["ranks"].values()
+    per_step = max(float(v.get("hook_ms_per_step", 0.0)) for v in ranks)
+    share = overhead.get("max_share_of_train_time")
+    text = f"probe overhead: {per_step:.3g} ms per step at most"
+    if isinstance(share, (int, float)):
+        text += f" ({100 * share:.2g}% of the training time)"
+    return text + f", over {len(overhead['ranks'])} rank(s)"
+
+
 def render_text(report: Report, *, evidence: bool = True) -> str:
     """The report as a table (check, status, finding) followed by evidence per rank."""
     if "relayed_to" in report.extra:
         return render_relayed(report)
     width = max([len(c.id) for c in report.checks] + [5])
+    verdict = "OK" if report.ok else "PROBLEMS FOUND"
+    if report.checks and not report.verified:
+        verdict = f"NOTHING VERIFIED ({report.extra.get('nothing_verified') or 'every check was skipped'})"
     head = (f"distdoctor probe ({report.mode}): {report.world_size} ranks, {report.backend}, "
-            f"{report.duration_s:.1f} s: {'OK' if report.ok else 'PROBLEMS FOUND'}")
+            f"{report.duration_s:.1f} s: {verdict}")
     rows = [head]
     hosts = report.extra.get("hosts")
     if hosts:
@@ -46,6 +62,9 @@ def render_text(report: Report, *, evidence: bool = True) -> str:
     rows += [f"lost: {lost}" for lost in report.extra.get("nodes_lost", ())]
     rows += ["", f"{'check':<{width}}  {'status':<6} finding"]
     rows += [f"{c.id:<{width}}  {c.status.upper():<6} {c.summary}" for c in report.checks]
+    cost = _overhead_line(report.extra.get("overhead"))
+    if cost:
+        rows += ["", cost]
     if evidence:
         rows += ["", "evidence per rank:"]
         for check in report.checks:

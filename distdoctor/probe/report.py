@@ -44,6 +44,12 @@ class Report:
     def ok(self) -> bool:
         return not any(check.failed for check in self.checks)
 
+    @property
+    def verified(self) -> bool:
+        """Whether any check found something to compare: a run where every check is skipped
+        verified nothing, which is not the same as OK."""
+        return any(check.status != "skip" for check in self.checks)
+
     def to_dict(self) -> dict[str, Any]:
         from distdoctor import __version__
 

@@ -71,7 +71,10 @@ def _parted_at_step(trace: RunTrace, index: int) -> CheckResult:
         if rank in unfinished:
             text += f" and never reached the step ({trace.ranks[rank].where(trace.script.rpartition('/')[0] or None)})"
         elif len({made[r][2] for r in made if r not in unfinished}) > 1:
-            text += f", {forwards} training forward(s) through DDP"
+            text += f", {forwards} DDP forward(s) that prepared a gradient all-reduce (none does under no_sync())"
+        if trace.stall and rank not in unfinished and trace.stall.waiting.get(rank):
+            # where it went on to wait: FSDP's all-gather, DDP's all-reduce, the next collective
+            text += f", then waited at {trace.stall.waiting[rank]}"
         return text
 
     parts = "; ".join(f"rank {','.join(map(str, g))} made {show(g[0])}" for g in groups)
@@ -100,6 +103,25 @@ def _evidence(trace: RunTrace) -> dict[str, dict]:
             entry["error"] = trace.rank_errors[rank][-3000:]
         out[str(rank)] = entry
     return out
+
+
+def _ddp_built_on_some_ranks(trace: RunTrace, built: dict[int, int]) -> CheckResult:
+    """DDP's constructor is a collective (it broadcasts rank 0's parameters): a rank that builds
+    more DDP wrappers than another waits there for a peer that never comes."""
+    most = max(built.values())
+    builders = sorted(r for r, n in built.items() if n == most)
+    others = sorted(r for r, n in built.items() if n != most)
+    t = trace.ranks[builders[0]]
+    site = t.open_ddp or (t.ddp[most - 1].get("site", "?") if len(t.ddp) >= most else "?")
+    root = trace.script.rpartition("/")[0] or None
+    rest = "; ".join(f"rank {r}: {trace.ranks[r].where(root)}" for r in trace.rank_ids)
+    summary = (f"rank(s) {','.join(map(str, builders))} built a DistributedDataParallel at {trace.site(site)} that "
+               f"rank(s) {','.join(map(str, others))} never built ({most} vs {min(built.values())} DDP wrapper(s)): "
+               f"DDP's construction is a collective, so the builder waits for its peers; a connection error "
+               f"raised there afterwards is the consequence, not the cause. {rest}")
+    return CheckResult(ID, "fail", summary, ranks=_evidence(trace),
+                       details={"ranks": builders, "ddp_built": {str(r): n for r, n in built.items()},
+                                "step": min(len(trace.ranks[r].primary_steps()) for r in builders) + 1})
 
 
 def _is_peer_error(t: RankTrace) -> bool:
@@ -133,6 +155,11 @@ def verdict(trace: RunTrace) -> CheckResult:
         return CheckResult(ID, "fail", summary, ranks=_evidence(trace),
                            details={"step": min(p[0] for p in progress.values()) + 1, "ranks": odd,
                                     "stalled": True, "reason": trace.stall.reason})
+    built = {r: len(t.ddp) + (1 if t.open_ddp else 0) for r, t in trace.ranks.items()}
+    fewer = [t for r, t in trace.ranks.items() if built[r] < max(built.values())]
+    own_error = any(t.end and t.end.get("e") == protocol.ERROR and not _is_peer_error(t) for t in fewer)
+    if len(set(built.values())) > 1 and not missing and not own_error:
+        return _ddp_built_on_some_ranks(trace, built)
     if missing:
         return CheckResult(ID, "error", f"rank(s) {','.join(map(str, missing))} never started the script"
                            + (f": {trace.launch_failure}" if trace.launch_failure else ""), ranks=_evidence(trace))
@@ -175,6 +202,10 @@ CHECK = Check(
         'fixtures/probe/fault_extra_allreduce.py',
         'fixtures/probe/fault_rank_stops_early.py',
         'fixtures/probe/fault_skip_iteration.py',
+        'fixtures/probe/fault_ddp_on_one_rank.py',
+        'fixtures/probe/fault_error_behind_wrapper.py',
+        'fixtures/probe/fault_fsdp2_extra_collective.py',
+        'fixtures/probe/fault_no_sync_one_rank.py',
     ),
     order=4,
 )

@@ -16,7 +16,17 @@ from __future__ import annotations
 from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
 from distdoctor.probe.script import protocol
-from distdoctor.probe.script.records import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
+import math
+
+from distdoctor.probe.script.records import (
+    RunTrace,
+    coverage,
+    describe_groups,
+    first_divergence,
+    fmt_checksum,
+    list_names,
+    odd_ranks,
+)
 
 ID = "grad-sync"
 
@@ -42,11 +52,24 @@ def _checksums(trace: RunTrace) -> CheckResult:
     if len(trace.ranks) < 2:
         return CheckResult(ID, "skip", "one rank: nothing to compare")
     divergence, compared = first_divergence(trace, ("grad",))
+    covered = coverage(trace)
+    shown = {"compared_parameters": len(covered.compared), "not_compared": list(covered.one_copy[:50])}
     if divergence is None:
         if compared == 0:
             return CheckResult(ID, "skip", "no optimizer step was observed on every rank")
-        return CheckResult(ID, "pass", f"gradients equal on {len(trace.ranks)} ranks at each of {compared} steps",
-                           details={"compared_steps": compared})
+        bad = non_finite_shard(trace, set(covered.one_copy))
+        if bad is not None:
+            return bad
+        if not covered.compared:
+            return CheckResult(ID, "pass", f"every parameter is sharded with one copy per rank, so no gradient "
+                               f"could be compared across ranks; each rank's gradient shards were finite at each "
+                               f"of {compared} steps", details={"compared_steps": compared, **shown})
+        sharded = covered.one_copy or any(t.optimizers.get(0, {}).get("spec") for t in trace.ranks.values())
+        where = "across their replicas" if sharded else f"on {len(trace.ranks)} ranks"
+        return CheckResult(ID, "pass", f"gradients of {len(covered.compared)} parameters equal {where} "
+                           f"at each of {compared} steps" + covered.note()
+                           + ("; the sharded ones were finite on every rank" if covered.one_copy else ""),
+                           details={"compared_steps": compared, **shown})
     odd = odd_ranks(divergence.groups)
     outside = [p for p, flag in divergence.in_ddp.items() if flag is False]
     has_ddp = any(t.ddp for t in trace.ranks.values())
@@ -54,6 +77,8 @@ def _checksums(trace: RunTrace) -> CheckResult:
         ddp_site = next((trace.site(d["site"]) for t in trace.ranks.values() for d in t.ddp), "?")
         cause = (f"; {list_names(outside)} not in the model DDP wrapped at {ddp_site}: "
                  "its gradient is never all-reduced (attached after the wrap?)")
+    elif divergence.layout != "a replica":  # FSDP2 / tensor parallel reduce gradients themselves
+        cause = f"; {divergence.layout}: these ranks hold the same replica"
     elif not has_ddp:
         cause = "; no DistributedDataParallel was built and the gradients were not all-reduced"
     else:
@@ -63,12 +88,32 @@ def _checksums(trace: RunTrace) -> CheckResult:
                + (f" ({len(divergence.params)} parameters differ)" if len(divergence.params) > 1 else "") + cause)
     return CheckResult(
         ID, "fail", summary,
-        ranks={str(r): {"checksum": divergence.values[r]} for r in trace.rank_ids},
+        ranks={str(r): {"checksum": divergence.values.get(r)} for r in trace.rank_ids},
         details={"step": divergence.step, "optimizer": divergence.opt, "parameter": divergence.params[0],
                  "parameters": list(divergence.params), "ranks": odd, "groups": divergence.groups,
                  "values": describe_groups(divergence.groups, lambda r: fmt_checksum(divergence.values[r])),
                  "not_in_ddp": outside, "compared_steps": compared},
     )
+
+
+def non_finite_shard(trace: RunTrace, one_copy: set[str]) -> CheckResult | None:
+    """A NaN/inf gradient shard of a parameter no other rank holds (the only evidence there is)."""
+    for opt in sorted({o for t in trace.ranks.values() for o in t.optimizers}):
+        names = trace.param_names(opt)
+        watched = [j for j, name in enumerate(names) if name in one_copy]
+        if not watched:
+            continue
+        for rank in trace.rank_ids:
+            for step in (s for s in trace.ranks[rank].steps if s.opt == opt):
+                for j in watched:
+                    value = step.grad[j] if j < len(step.grad) else None
+                    if value is not None and not all(math.isfinite(v) for v in value):
+                        return CheckResult(
+                            ID, "fail", f"the gradient shard of {names[j]} held by rank {rank} is not finite at step "
+                            f"{step.n} ({fmt_checksum(value)}), step at {trace.site(step.site)}",
+                            ranks={str(rank): {"checksum": value}},
+                            details={"step": step.n, "ranks": [rank], "parameter": names[j], "optimizer": opt})
+    return None
 
 
 CHECK = Check(
@@ -82,6 +127,7 @@ CHECK = Check(
         'fixtures/probe/fault_layer_after_wrap.py',
         'fixtures/probe/fault_no_ddp.py',
         'fixtures/probe/hvd_clip_before_sync.py',
+        'fixtures/probe/fault_clip_one_rank.py',
     ),
     order=1,
 )

@@ -24,8 +24,20 @@ DIVERGENCE_FACTOR = 10.0
 def verdict(trace: RunTrace) -> CheckResult:
     """Report the first non-finite loss, or a rank whose loss diverges from the others'."""
     curves = {r: [(s.n, v) for s in t.primary_steps() for v in s.loss] for r, t in trace.ranks.items()}
+    if not any(curves.values()):  # losses backed through another optimizer's steps only (a GAN's)
+        curves = {r: [(s.n, v) for s in t.steps for v in s.loss] for r, t in trace.ranks.items()}
     if not any(curves.values()):
-        return CheckResult(ID, "skip", "no scalar backward() was observed")
+        backward = max((len(t.backward_sites) for t in trace.ranks.values()), default=0)
+        steps = max((len(t.steps) for t in trace.ranks.values()), default=0)
+        if backward and not steps:
+            return CheckResult(ID, "skip", f"{backward} backward pass(es) ran but no optimizer step followed: "
+                               "the loss is read at each step")
+        if backward:
+            return CheckResult(ID, "skip", f"{backward} backward pass(es) ran, none on a single-element tensor "
+                               "(a loss): nothing to follow")
+        return CheckResult(ID, "skip", "no backward() was observed")
+    plot = {"loss_per_rank": {str(r): [v if math.isfinite(v) else None for _, v in c[:500]]
+                              for r, c in curves.items()}}
     evidence = {str(r): {"first": c[0][1] if c else None, "last": c[-1][1] if c else None,
                          "curve": [round(v, 6) if math.isfinite(v) else str(v) for _, v in c[:200]]}
                 for r, c in curves.items()}
@@ -38,7 +50,7 @@ def verdict(trace: RunTrace) -> CheckResult:
         summary = (f"the loss is {value} on rank(s) {','.join(map(str, ranks))} at step {step} (step at "
                    f"{trace.site(site)})" + ("" if len(ranks) == len(curves) else
                                              ": its gradients reach every rank through the all-reduce"))
-        return CheckResult(ID, "fail", summary, ranks=evidence, details={"step": step, "ranks": ranks})
+        return CheckResult(ID, "fail", summary, ranks=evidence, details={"step": step, "ranks": ranks, **plot})
     diverging = []
     for rank, curve in curves.items():
         others = [v for r, c in curves.items() if r != rank for _, v in c[-max(1, len(c) // 3):]]
@@ -50,9 +62,9 @@ def verdict(trace: RunTrace) -> CheckResult:
                 diverging.append(rank)
     if diverging:
         return CheckResult(ID, "warn", f"the loss of rank(s) {','.join(map(str, diverging))} grows while the "
-                           "other ranks' falls", ranks=evidence, details={"ranks": diverging})
+                           "other ranks' falls", ranks=evidence, details={"ranks": diverging, **plot})
     steps = max(len(c) for c in curves.values())
-    return CheckResult(ID, "pass", f"finite on every rank over {steps} backward passes", ranks=evidence)
+    return CheckResult(ID, "pass", f"finite on every rank over {steps} backward passes", ranks=evidence, details=plot)
 
 
 CHECK = Check(

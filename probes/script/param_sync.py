@@ -16,7 +16,15 @@ from __future__ import annotations
 from distdoctor.probe.checks import Check
 from distdoctor.probe.report import CheckResult
 from distdoctor.probe.script import protocol
-from distdoctor.probe.script.records import RunTrace, describe_groups, first_divergence, fmt_checksum, list_names, odd_ranks
+from distdoctor.probe.script.records import (
+    RunTrace,
+    coverage,
+    describe_groups,
+    first_divergence,
+    fmt_checksum,
+    list_names,
+    odd_ranks,
+)
 
 ID = "param-sync"
 
@@ -26,12 +34,21 @@ def verdict(trace: RunTrace) -> CheckResult:
     if len(trace.ranks) < 2:
         return CheckResult(ID, "skip", "one rank: nothing to compare")
     divergence, compared = first_divergence(trace, ("param0", "param"))
+    covered = coverage(trace)
+    shown = {"compared_parameters": len(covered.compared), "not_compared": list(covered.one_copy[:50]),
+             "layouts": dict(list(covered.layouts.items())[:50])}
     if divergence is None:
         if compared == 0:
             return CheckResult(ID, "skip", "no optimizer step was observed on every rank")
-        count = len(trace.param_names(0))
-        return CheckResult(ID, "pass", f"{count} parameters equal on {len(trace.ranks)} ranks at the first step "
-                           f"and after each of {compared} steps", details={"compared_steps": compared})
+        if not covered.compared:
+            return CheckResult(ID, "skip", f"every parameter is sharded with one copy per rank "
+                               f"({', '.join(sorted(set(covered.layouts.values()))[:3])}): no two ranks hold "
+                               "values that must be equal", details={"compared_steps": compared, **shown})
+        where = "their replicas" if covered.one_copy or any(
+            t.optimizers.get(0, {}).get("spec") for t in trace.ranks.values()) else f"{len(trace.ranks)} ranks"
+        return CheckResult(ID, "pass", f"{len(covered.compared)} parameters equal on {where} at the first step "
+                           f"and after each of {compared} steps" + covered.note(),
+                           details={"compared_steps": compared, **shown})
     odd = odd_ranks(divergence.groups)
     name = divergence.params[0]
     cause = ""
@@ -49,12 +66,16 @@ def verdict(trace: RunTrace) -> CheckResult:
         no_sync = [d for t in trace.ranks.values() for d in t.ddp if d.get("init_sync") is False]
         cause = ("; DDP was built with init_sync=False" if no_sync
                  else "; initialised per rank and never broadcast (or changed on a rank after the DDP wrap)")
+    if divergence.layout != "a replica":  # a DTensor: fully_shard / parallelize_module broadcast nothing
+        cause = (f"; {divergence.layout}: these ranks hold the same replica, initialised differently (seed every "
+                 "rank alike or load the same weights before the wrap) or changed on a rank after the wrap"
+                 if divergence.key == "param0" else f"; {divergence.layout}: these ranks hold the same replica")
     summary = (f"{name} differs across ranks {divergence.when}: rank(s) {','.join(map(str, odd))} differ from "
                f"rank {divergence.groups[0][0]}" + (f" ({len(divergence.params)} parameters differ)"
                                                     if len(divergence.params) > 1 else "") + cause)
     return CheckResult(
         ID, "fail", summary,
-        ranks={str(r): {"checksum": divergence.values[r]} for r in trace.rank_ids},
+        ranks={str(r): {"checksum": divergence.values.get(r)} for r in trace.rank_ids},
         details={"step": 0 if divergence.key == "param0" else divergence.step, "when": divergence.when,
                  "optimizer": divergence.opt, "parameter": name, "parameters": list(divergence.params),
                  "ranks": odd, "groups": divergence.groups,
@@ -75,6 +96,9 @@ CHECK = Check(
         'fixtures/probe/fault_layer_after_wrap.py',
         'fixtures/probe/fault_no_ddp.py',
         'fixtures/probe/hvd_no_broadcast.py',
+        'fixtures/probe/fault_clip_one_rank.py',
+        'fixtures/probe/fault_ddp_rank_lr.py',
+        'fixtures/probe/fault_load_after_wrap.py',
     ),
     order=0,
 )

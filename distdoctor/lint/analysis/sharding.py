@@ -156,8 +156,8 @@ class Sharding:
     def any(self) -> bool:
         return bool(self.events)
 
-    def uses(self, *kinds: str) -> bool:
-        return any(event.kind in kinds for event in self.events)
+    def uses(self, *shard_kinds: str) -> bool:
+        return any(event.kind in shard_kinds for event in self.events)
 
     # --- object identity ---------------------------------------------------------------------
     def key(self, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> Key | None:
@@ -213,15 +213,15 @@ class Sharding:
         return None
 
     # --- queries -----------------------------------------------------------------------------
-    def sharded_before(self, trace: Trace, step: Step, expr: cst.BaseExpression, *kinds: str) -> ShardEvent | None:
-        """The latest sharding call of one of `kinds`, earlier on this trace, on the object
+    def sharded_before(self, trace: Trace, step: Step, expr: cst.BaseExpression, *shard_kinds: str) -> ShardEvent | None:
+        """The latest sharding call of one of `shard_kinds`, earlier on this trace, on the object
         `expr` holds at `step` (for FSDP1: the wrapper it returned, or the module it wraps)."""
         key = self.key(trace, step, expr)
         if key is None:
             return None
         found = None
         for event in self.events:
-            if event.trace is not trace or event.step.index >= step.index or event.kind not in kinds:
+            if event.trace is not trace or event.step.index >= step.index or event.kind not in shard_kinds:
                 continue
             if event.holds(key) or (event.wrapper_key is not None and event.wrapper_key == key):
                 found = event
@@ -235,19 +235,19 @@ class Sharding:
                 return event
         return None
 
-    def in_place_sharded(self, trace: Trace, step: Step, expr: cst.BaseExpression, *kinds: str, depth: int = 0) -> ShardEvent | None:
+    def in_place_sharded(self, trace: Trace, step: Step, expr: cst.BaseExpression, *shard_kinds: str, depth: int = 0) -> ShardEvent | None:
         """An FSDP2 / tensor-parallel sharding of the object `expr` holds, earlier on this trace,
         unless that object was later wrapped (FSDP1/DDP give a new object, checked by identity)."""
-        kinds = kinds or (FSDP2, TP)
+        shard_kinds = shard_kinds or (FSDP2, TP)
         value = trace.value(expr, step)
         if value is not None and value.kind in (kinds.DDP, "fsdp"):
             return None
-        found = self.sharded_before(trace, step, expr, *kinds)
+        found = self.sharded_before(trace, step, expr, *shard_kinds)
         if found is None and value is None and depth < 2:
             # A helper traced on its own (`with maybe_no_sync(model, ...)`: calls in a `with`
             # header are not inlined): what its callers pass for this parameter.
             for caller_trace, caller_step, arg in self._call_site_arguments(trace, step, expr):
-                found = self.in_place_sharded(caller_trace, caller_step, arg, *kinds, depth=depth + 1)
+                found = self.in_place_sharded(caller_trace, caller_step, arg, *shard_kinds, depth=depth + 1)
                 if found is not None:
                     break
         return found
@@ -272,8 +272,8 @@ class Sharding:
                     if arg is not None:
                         yield other, other_step, arg
 
-    def events_on(self, trace: Trace, key: Key | None, *kinds: str) -> list[ShardEvent]:
-        return [e for e in self.events if e.trace is trace and e.holds(key) and (not kinds or e.kind in kinds)]
+    def events_on(self, trace: Trace, key: Key | None, *shard_kinds: str) -> list[ShardEvent]:
+        return [e for e in self.events if e.trace is trace and e.holds(key) and (not shard_kinds or e.kind in shard_kinds)]
 
     def params_owners(self, trace: Trace, step: Step, expr: cst.BaseExpression) -> Iterator[tuple[Key, cst.Call]]:
         """The objects whose `.parameters()` / `.named_parameters()` make up `expr` (an optimizer's

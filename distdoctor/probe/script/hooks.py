@@ -17,8 +17,10 @@ record is written; on CUDA that is one step later, so the probe adds no host-dev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import linecache
 import json
 import multiprocessing
 import os
@@ -27,13 +29,15 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from distdoctor.probe.script import protocol
+from distdoctor.probe.script.tensors import checksums as _checksums
+from distdoctor.probe.script.tensors import layouts, local, placement_text, scalar
 
 _F64 = torch.float64
 # Frames in these folders are not "the user's code" when a call site is named.
@@ -50,6 +54,9 @@ COLLECTIVES = (
     "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
     "scatter_object_list",
 )
+# Optimizer param-group entries compared across ranks by `hparams` (numbers, bools, betas).
+HPARAM_FIELDS = ("lr", "betas", "momentum", "weight_decay", "eps", "dampening", "nesterov", "alpha", "rho",
+                 "lr_decay", "amsgrad", "maximize", "initial_lr")
 
 
 def user_site(skip: int = 2) -> str:
@@ -102,28 +109,6 @@ class _DeviceValues:
         return self._ready
 
 
-def _checksums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[L1, L2] norms per tensor, as 2n 0-dim tensors, fused where torch can.
-
-    float32 accumulation (4x cheaper than float64 on CPU) is enough: the same tensor gives the same
-    bits on every rank, and a real divergence moves a norm by far more than float32's precision.
-    Half and bfloat16 are upcast, their own precision would hide small differences.
-    """
-    if not tensors:
-        return []
-    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
-    try:
-        ones = torch._foreach_norm(tensors, 1, dtype=torch.float32) if low else torch._foreach_norm(tensors, 1)
-        twos = torch._foreach_norm(tensors, 2, dtype=torch.float32) if low else torch._foreach_norm(tensors, 2)
-    except (RuntimeError, TypeError, NotImplementedError):  # sparse or unusual dtypes
-        ones = [t.to_dense().abs().sum(dtype=_F64) if t.is_sparse else t.abs().sum(dtype=_F64) for t in tensors]
-        twos = [torch.linalg.vector_norm(t.to_dense().to(_F64)) for t in tensors]
-    out: list[torch.Tensor] = []
-    for one, two in zip(ones, twos):
-        out += [one, two]
-    return out
-
-
 def _input_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -137,7 +122,7 @@ def _input_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
 
 def _input_hash(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
     """Two float64 numbers that identify the tensors reaching forward (position-weighted sums)."""
-    tensors = [t.detach() for t in _input_tensors((args, kwargs))]
+    tensors = [local(t) for t in _input_tensors((args, kwargs))]
     if not tensors:
         return None
     total = torch.zeros((), dtype=_F64, device=tensors[0].device)
@@ -179,6 +164,41 @@ class Probe:
         self.global_hooks: list[Any] = []
         self.first_step_at: float | None = None
         self.finished = False
+        self.disabled: set[str] = set()  # observations whose hook failed: never tried again
+        self.total_steps = 0  # steps of every optimizer: a sampler pass that spans one fed training
+        self.last_hparams: dict[int, list[dict[str, Any]]] = {}
+        self.clips: list[dict[str, Any]] = []  # clipping calls since the last step
+        self.scaler: Any = None  # the GradScaler whose step() is running
+        self.scaled: tuple[torch.Tensor, Any] | None = None  # (scaler.scale(loss), loss), the last one
+
+    # --- the probe's own failures --------------------------------------------------------------
+
+    def guarded(self, what: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """`hook`, made unable to raise into the user's code: its first failure disables the
+        observation `what` (one of OBSERVATIONS) for the rest of the run and is recorded."""
+
+        @functools.wraps(hook)
+        def safe(*args: Any, **kwargs: Any) -> Any:
+            if what in self.disabled:
+                return None
+            try:
+                return hook(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the probe's problem, never the script's
+                self.disable(what, getattr(hook, "__name__", what), exc)
+                return None
+
+        return safe
+
+    def disable(self, what: str, hook: str, exc: BaseException) -> None:
+        self.disabled.add(what)
+        if what == "steps":
+            self.pre_step, self.pending = None, None
+        try:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self.write(protocol.PROBE_ERROR, what=what, hook=hook, type=type(exc).__name__,
+                       message=str(exc)[:500], traceback=text[-3000:], step=self.step_counts.get(0, 0))
+        except Exception:  # noqa: BLE001, S110 - nowhere left to say it; the script goes on
+            pass
 
     # --- recording -----------------------------------------------------------------------------
 
@@ -198,6 +218,8 @@ class Probe:
         for key, count in layout:
             record[key] = floats[pos : pos + count]
             pos += count
+        if "scale" in record:
+            record["scale"] = record["scale"][0]
         for key in ("grad", "param", "param0", "fwd"):
             if key in record:
                 flat = record[key]
@@ -227,15 +249,27 @@ class Probe:
         for module in unique:
             prefix = f"{type(module).__name__}:" if len(unique) > 1 else ""
             for name, param in module.named_parameters():
-                names.setdefault(id(param), prefix + name)
+                # torch.compile's OptimizedModule puts its own attribute into every name
+                names.setdefault(id(param), prefix + name.replace("_orig_mod.", ""))
         return [names.get(id(p), f"<{tuple(p.shape)} param #{i}>") for i, p in enumerate(params)]
 
     def on_step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.step_depth:  # an optimizer stepping inside another's step (ZeRO): not a step of its own
             self.step_depth += 1
             return
-        began = time.perf_counter()
         self.step_depth = 1
+        self._observe_step_pre(optimizer)
+
+    def _observe_step_pre(self, optimizer: Any) -> None:
+        if "steps" in self.disabled:
+            return
+        try:
+            self.observe_step_pre(optimizer)
+        except Exception as exc:  # noqa: BLE001 - see `guarded`
+            self.disable("steps", "optimizer step pre-hook", exc)
+
+    def observe_step_pre(self, optimizer: Any) -> None:
+        began = time.perf_counter()
         self.flush_pending()
         index = self._optimizer_index(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -243,28 +277,75 @@ class Probe:
         site = user_site(3)
         if first:
             in_ddp = None if self.ddp_param_ids is None else [id(p) in self.ddp_param_ids for p in params]
+            spec, meshes = layouts(params)
+            extra = {"spec": spec, "meshes": meshes} if spec is not None else {}
             self.write(protocol.OPTIMIZER, opt=index, cls=type(optimizer).__name__, site=site,
-                       names=self._param_names(params), ddp=in_ddp)
+                       names=self._param_names(params), ddp=in_ddp, **extra)
             if self.first_step_at is None:
                 self.first_step_at = time.perf_counter()
         grad_mask = [p.grad is not None for p in params]
-        grads = [p.grad.detach() for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         values = _checksums(grads)
         if first:
-            values += _checksums([p.detach() for p in params])
-        self.pre_step = (index, params, grad_mask, first, site)
+            values += _checksums(params)
+        extra = self._step_extras(optimizer, index, params)
+        scale = getattr(self.scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            extra["_scale"] = scale.detach().reshape(())
+        self.pre_step = (index, params, grad_mask, first, site, extra)
         self._pre_values = values
         self.hook_s += time.perf_counter() - began
 
+    def _step_extras(self, optimizer: Any, index: int, params: list[torch.Tensor]) -> dict[str, Any]:
+        """What a step record carries besides checksums: the hyperparameters when they changed,
+        the clipping calls since the last step, gradient placements that differ from the
+        parameter's (a Partial gradient is not comparable across ranks)."""
+        extra: dict[str, Any] = {}
+        if "hparams" not in self.disabled:
+            try:
+                hparams = [{k: v for k in HPARAM_FIELDS if k in group and (v := scalar(group[k])) is not None}
+                           for group in optimizer.param_groups]
+                if hparams != self.last_hparams.get(index):
+                    self.last_hparams[index] = hparams
+                    extra["hp"] = hparams
+                if self.clips:
+                    extra["clip"], self.clips = self.clips, []
+            except Exception as exc:  # noqa: BLE001 - see `guarded`
+                self.disable("hparams", "hyperparameter reading", exc)
+        moved = {}
+        for j, p in enumerate(params):
+            g = p.grad
+            if g is not None and g is not p and hasattr(g, "placements") and hasattr(p, "placements") \
+                    and tuple(g.placements) != tuple(p.placements):
+                moved[str(j)] = placement_text(g.placements)
+        if moved:
+            extra["gpl"] = moved
+        return extra
+
     def on_step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step_depth -= 1
-        if self.step_depth or self.pre_step is None:
+        if self.step_depth:
             return
-        began = time.perf_counter()
-        index, params, grad_mask, first, site = self.pre_step
-        self.pre_step = None
+        # Counting and stopping do not depend on any observation: they go on when one failed.
+        index = self._optimizer_index(optimizer)
         n = self.step_counts[index] = self.step_counts.get(index, 0) + 1
-        values = self._pre_values + _checksums([p.detach() for p in params])
+        self.total_steps += 1
+        if self.pre_step is not None and "steps" not in self.disabled:
+            try:
+                self.observe_step_post(n)
+            except Exception as exc:  # noqa: BLE001 - see `guarded`
+                self.disable("steps", "optimizer step post-hook", exc)
+        if index == 0 and n == 1:
+            self._stop_discovering_models()
+        if index == 0 and self.stop_after and n >= self.stop_after:
+            self.stop()
+
+    def observe_step_post(self, n: int) -> None:
+        began = time.perf_counter()
+        assert self.pre_step is not None
+        index, params, grad_mask, first, site, extra = self.pre_step
+        self.pre_step = None
+        values = self._pre_values + _checksums(params)
         layout = [("grad", 2 * sum(grad_mask))]
         if first:
             layout.append(("param0", 2 * len(params)))
@@ -273,36 +354,48 @@ class Probe:
         values += self.losses
         layout.append(("fwd", len(self.inputs)))
         values += self.inputs
+        if "_scale" in extra:
+            layout.append(("scale", 1))
+            values.append(extra.pop("_scale"))
         self.losses, self.inputs = [], []
         record = {"e": protocol.STEP, "t": round(time.time(), 4), "opt": index, "n": n,
                   "bwd": self.backward_count, "coll": self.collective_count, "dfwd": self.ddp_forwards,
-                  "site": site,
-                  "grad_mask": grad_mask}
+                  "site": site, "grad_mask": grad_mask, **extra}
         self.pending = (record, _DeviceValues(values), layout)
         if not any(v.is_cuda for v in values[:1]):
             self.flush_pending()
-        if index == 0 and n == 1:
-            self._stop_discovering_models()
         self.hook_s += time.perf_counter() - began
-        if index == 0 and self.stop_after and n >= self.stop_after:
-            self.stop()
 
     # --- backward ------------------------------------------------------------------------------
 
     def wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            first = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
-            if isinstance(first, torch.Tensor) and first.numel() == 1:
-                self.losses.append(first.detach().reshape(()))
             self.backward_count += 1
             n = self.backward_count
-            self.write(protocol.BACKWARD, n=n, site=user_site(2))
-            self.hook_s += time.perf_counter() - began
+            observe(tensors, n)
             result = original(tensors, *args, **kwargs)
-            self.write(protocol.BACKWARD_END, n=n)
+            ended(n)
             return result
+
+        def observe_backward(tensors: Any, n: int) -> None:
+            began = time.perf_counter()
+            first = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+            if self.scaled is not None:  # scaler.scale(loss).backward(): the loss is the unscaled one
+                scaled, loss = self.scaled
+                self.scaled = None
+                if first is scaled and isinstance(loss, torch.Tensor):
+                    first = loss
+            if isinstance(first, torch.Tensor) and first.numel() == 1:
+                self.losses.append(local(first).reshape(()))
+            self.write(protocol.BACKWARD, n=n, site=user_site(3))
+            self.hook_s += time.perf_counter() - began
+
+        def end_backward(n: int) -> None:
+            self.write(protocol.BACKWARD_END, n=n)
+
+        observe = self.guarded("backward", observe_backward)
+        ended = self.guarded("backward", end_backward)
 
         return backward
 
@@ -311,15 +404,16 @@ class Probe:
     def _add_model(self, module: torch.nn.Module, site: str) -> None:
         self.model_ids.add(id(module))
         self.models.append(weakref.ref(module))
-        module.register_forward_pre_hook(self.on_model_forward, with_kwargs=True)
+        module.register_forward_pre_hook(self.on_model_forward, with_kwargs=True)  # guards itself
         self.write("model", index=len(self.models) - 1, cls=type(module).__name__,
                    inner=type(getattr(module, "module", module)).__name__, site=site)
 
     def on_global_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.forward_depth += 1
-        if self.forward_depth == 1 and id(module) not in self.model_ids:
+        if self.forward_depth == 1 and id(module) not in self.model_ids and not _in_backward():
             began = time.perf_counter()
-            if next(iter(module.parameters()), None) is not None:  # a loss module is not "the model"
+            if next(iter(module.parameters()), None) is not None and "forward" not in self.disabled:
+                # a loss module is not "the model"
                 self._add_model(module, user_site(3))
                 # The instance hook only runs from the next call, and a global pre-hook is not given
                 # the keyword arguments: read them from Module._call_impl's frame (model(**batch)).
@@ -332,13 +426,19 @@ class Probe:
     def on_model_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation may legitimately see the same data on every rank
-        began = time.perf_counter()
-        if isinstance(module, _ddp_class()):
+        # Each of these prepares a gradient all-reduce in the backward pass; under no_sync() none does.
+        if isinstance(module, _ddp_class()) and getattr(module, "require_backward_grad_sync", True):
             self.ddp_forwards += 1
-        hashed = _input_hash(args, kwargs)
-        if hashed is not None:
-            self.inputs += hashed
-        self.hook_s += time.perf_counter() - began
+        if "forward" in self.disabled:
+            return
+        try:
+            began = time.perf_counter()
+            hashed = _input_hash(args, kwargs)
+            if hashed is not None:
+                self.inputs += hashed
+            self.hook_s += time.perf_counter() - began
+        except Exception as exc:  # noqa: BLE001 - see `guarded`
+            self.disable("forward", "model forward pre-hook", exc)
 
     def _stop_discovering_models(self) -> None:
         for handle in self.global_hooks:
@@ -348,6 +448,7 @@ class Probe:
     # --- DDP, samplers, collectives ------------------------------------------------------------
 
     def on_ddp(self, ddp: torch.nn.Module, init_sync: bool) -> None:
+        """Which parameters DDP covers, and the wrapper watched as a model."""
         module = ddp.module  # type: ignore[attr-defined]
         covered = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.ddp_param_ids = (self.ddp_param_ids or set()) | {id(p) for _, p in covered}
@@ -357,21 +458,39 @@ class Probe:
         if id(ddp) not in self.model_ids:  # watched from its first forward, keyword arguments included
             self._add_model(ddp, user_site(3))
 
-    def on_sampler_iter(self, sampler: Any) -> None:
+    def on_sampler_iter(self, sampler: Any) -> tuple[int, int]:
         index = self.samplers.setdefault(id(sampler), len(self.samplers))
         passes = getattr(sampler, "_distdoctor_passes", 0) + 1
         sampler._distdoctor_passes = passes
+        site = user_site(3)
         self.write(protocol.SAMPLER_ITER, sampler=index, cls=type(sampler).__name__,
-                   created=getattr(sampler, "_distdoctor_site", "?"), site=user_site(3),
+                   created=getattr(sampler, "_distdoctor_site", "?"), site=site, source=_source_line(site),
                    epoch=getattr(sampler, "epoch", None), shuffle=bool(getattr(sampler, "shuffle", False)),
                    set_epoch_calls=getattr(sampler, "_distdoctor_set_epoch", 0), passes=passes,
                    step=self.step_counts.get(0, 0))
+        return index, passes
+
+    def follow_pass(self, indices: Iterable[Any], sampler: int, passes: int) -> Iterator[Any]:
+        """The sampler's indices, unchanged; the first time an optimizer step has happened since
+        the pass began, the pass is recorded as one that fed training (a peek `next(iter(loader))`
+        or an evaluation pass never is)."""
+        start = self.total_steps
+        fed = False
+        for item in indices:
+            if not fed and self.total_steps > start:
+                fed = True
+                with contextlib.suppress(Exception):
+                    self.write(protocol.SAMPLER_FED, sampler=sampler, passes=passes, step=self.step_counts.get(0, 0))
+            yield item
 
     def wrap_collective(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             group_pos = list(inspect.signature(original).parameters).index("group")
         except ValueError:
             group_pos = None
+
+        began = self.guarded("collectives", functools.partial(self.write, protocol.COLLECTIVE))
+        ended = self.guarded("collectives", functools.partial(self.write, protocol.COLLECTIVE_END))
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -382,15 +501,38 @@ class Probe:
                 return original(*args, **kwargs)  # subgroups may legitimately differ per rank
             self.collective_count += 1
             n = self.collective_count
-            self.write(protocol.COLLECTIVE, n=n, op=name, site=user_site(2))
+            began(n=n, op=name, site=user_site(2))
             self.collective_depth += 1
             try:
                 return original(*args, **kwargs)
             finally:
                 self.collective_depth -= 1
-                self.write(protocol.COLLECTIVE_END, n=n)
+                ended(n=n)
 
         return collective
+
+    # --- hyperparameters, layouts ----------------------------------------------------------------
+
+    def on_clip(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if name == "clip_grad_value_":
+            limit = kwargs.get("clip_value", args[1] if len(args) > 1 else None)
+            norm_type = None
+        else:
+            position = 0 if name.startswith("FSDP") else 1
+            limit = kwargs.get("max_norm", args[position] if len(args) > position else None)
+            norm_type = kwargs.get("norm_type", args[position + 1] if len(args) > position + 1 else 2.0)
+        self.clips.append({"fn": name, "max": scalar(limit), "norm_type": scalar(norm_type), "site": user_site(3)})
+
+    def note_scaled(self, result: Any, outputs: Any) -> None:
+        if isinstance(result, torch.Tensor):
+            self.scaled = (result, outputs)
+
+    def on_tensor_parallel(self, device_mesh: Any) -> None:
+        if device_mesh is None:
+            from torch.distributed.device_mesh import _mesh_resources
+
+            device_mesh = _mesh_resources.get_current_mesh()
+        self.write(protocol.TENSOR_PARALLEL, ranks=device_mesh.mesh.flatten().tolist(), site=user_site(3))
 
     # --- end of the run ------------------------------------------------------------------------
 
@@ -422,7 +564,7 @@ class Probe:
         self.flush_pending()
         self.write(protocol.EXIT, code=code if isinstance(code, int) or code is None else str(code), **self.summary())
 
-    def error(self, exc: BaseException) -> None:
+    def error(self, exc: BaseException, exit_code: Any = None) -> None:
         if self.finished:
             return
         self.finished = True
@@ -431,8 +573,23 @@ class Probe:
         user = [f for f in frames if not f.filename.startswith(_SKIP_PREFIXES)]
         site = f"{user[-1].filename}:{user[-1].lineno}" if user else "?"
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        extra = {} if exit_code is None else {"exit_code": exit_code if isinstance(exit_code, int) else str(exit_code)}
         self.write(protocol.ERROR, type=type(exc).__name__, message=str(exc)[:2000], site=site,
-                   traceback=text[-6000:], **self.summary())
+                   traceback=text[-6000:], **extra, **self.summary())
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (activation checkpointing re-runs forwards there:
+    those modules are not models the script calls)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:
+        return False
+
+
+def _source_line(site: str) -> str:
+    path, _, line = site.rpartition(":")
+    return linecache.getline(path, int(line)).strip()[:200] if line.isdigit() else ""
 
 
 def _call_kwargs(module: torch.nn.Module) -> dict[str, Any]:
@@ -456,7 +613,11 @@ def _ddp_class() -> type:
 
 
 def install_torch_hooks(probe: Probe) -> None:
-    """Hook torch so that `probe` sees the script's steps, backward passes, model inputs and data."""
+    """Hook torch so that `probe` sees the script's steps, backward passes, model inputs and data.
+
+    Every hook either guards itself or is wrapped in `probe.guarded`: a failure of the probe's own
+    code disables that observation and never reaches the script.
+    """
     from torch.nn.modules import module as nn_module
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     from torch.utils.data.distributed import DistributedSampler
@@ -465,37 +626,44 @@ def install_torch_hooks(probe: Probe) -> None:
     register_optimizer_step_post_hook(probe.on_step_post)
     torch.autograd.backward = probe.wrap_backward(torch.autograd.backward)
     probe.global_hooks = [
-        nn_module.register_module_forward_pre_hook(probe.on_global_forward_pre),
+        nn_module.register_module_forward_pre_hook(probe.guarded("forward", probe.on_global_forward_pre)),
         nn_module.register_module_forward_hook(probe.on_global_forward, always_call=True),
     ]
 
     ddp_class = _ddp_class()
     ddp_init = ddp_class.__init__
+    on_ddp = probe.guarded("ddp", probe.on_ddp)
+    ddp_begins = probe.guarded("ddp", lambda: probe.write(protocol.DDP_BEGIN, site=user_site(4)))
 
     @functools.wraps(ddp_init)
     def init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        ddp_begins()
         ddp_init(self, module, *args, **kwargs)
-        probe.on_ddp(self, bool(kwargs.get("init_sync", True)))
+        on_ddp(self, bool(kwargs.get("init_sync", True)))
 
     ddp_class.__init__ = init  # type: ignore[method-assign]
 
     sampler_init = DistributedSampler.__init__
     sampler_iter = DistributedSampler.__iter__
     sampler_set_epoch = DistributedSampler.set_epoch
+    on_sampler_iter = probe.guarded("sampler", probe.on_sampler_iter)
 
     @functools.wraps(sampler_init)
     def sampler_created(self: Any, *args: Any, **kwargs: Any) -> None:
         sampler_init(self, *args, **kwargs)
-        self._distdoctor_site = user_site(2)
+        with contextlib.suppress(Exception):
+            self._distdoctor_site = user_site(2)
 
     @functools.wraps(sampler_iter)
     def sampler_iterated(self: Any) -> Any:
-        probe.on_sampler_iter(self)
-        return sampler_iter(self)
+        seen = on_sampler_iter(self)
+        indices = sampler_iter(self)
+        return indices if seen is None else probe.follow_pass(indices, *seen)
 
     @functools.wraps(sampler_set_epoch)
     def epoch_set(self: Any, epoch: int) -> None:
-        self._distdoctor_set_epoch = getattr(self, "_distdoctor_set_epoch", 0) + 1
+        with contextlib.suppress(Exception):
+            self._distdoctor_set_epoch = getattr(self, "_distdoctor_set_epoch", 0) + 1
         sampler_set_epoch(self, epoch)
 
     DistributedSampler.__init__ = sampler_created  # type: ignore[method-assign]
@@ -508,12 +676,97 @@ def install_torch_hooks(probe: Probe) -> None:
             setattr(dist, name, probe.wrap_collective(name, original))
 
     init_pg = dist.init_process_group
+    on_pg = probe.guarded("collectives", lambda: probe.write(
+        "pg", backend=str(dist.get_backend()), world=dist.get_world_size(), rank=dist.get_rank()))
 
     @functools.wraps(init_pg)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = init_pg(*args, **kwargs)
-        probe.write("pg", backend=str(dist.get_backend()), world=dist.get_world_size(), rank=dist.get_rank())
+        on_pg()
         return result
 
     dist.init_process_group = init_process_group
+    _install_hparam_hooks(probe)
+    _install_layout_hooks(probe)
+
+
+def _install_hparam_hooks(probe: Probe) -> None:
+    """Clipping calls (their max-norm) and GradScaler (its scale, and the unscaled loss)."""
+    import torch.nn.utils
+    import torch.nn.utils.clip_grad
+
+    record_clip = probe.guarded("hparams", probe.on_clip)
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        original = getattr(torch.nn.utils.clip_grad, name, None)
+        if original is None:
+            continue
+
+        def clipper(original: Callable[..., Any] = original, name: str = name) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def clip(*args: Any, **kwargs: Any) -> Any:
+                record_clip(name, args, kwargs)
+                return original(*args, **kwargs)
+
+            return clip
+
+        wrapped = clipper()
+        setattr(torch.nn.utils.clip_grad, name, wrapped)
+        setattr(torch.nn.utils, name, wrapped)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        FullyShardedDataParallel = None  # type: ignore[assignment,misc]  # noqa: N806
+    if FullyShardedDataParallel is not None:
+        fsdp_clip = FullyShardedDataParallel.clip_grad_norm_
+
+        @functools.wraps(fsdp_clip)
+        def fsdp_clip_grad_norm_(self: Any, *args: Any, **kwargs: Any) -> Any:
+            record_clip("FSDP.clip_grad_norm_", args, kwargs)
+            return fsdp_clip(self, *args, **kwargs)
+
+        FullyShardedDataParallel.clip_grad_norm_ = fsdp_clip_grad_norm_  # type: ignore[method-assign]
+
+    try:
+        from torch.amp import GradScaler
+    except ImportError:
+        return
+    scaler_scale, scaler_step = GradScaler.scale, GradScaler.step
+    note_scaled = probe.guarded("backward", probe.note_scaled)
+
+    @functools.wraps(scaler_scale)
+    def scale(self: Any, outputs: Any) -> Any:
+        result = scaler_scale(self, outputs)
+        note_scaled(result, outputs)
+        return result
+
+    @functools.wraps(scaler_step)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer, probe.scaler = probe.scaler, self
+        try:
+            return scaler_step(self, *args, **kwargs)
+        finally:
+            probe.scaler = outer
+
+    GradScaler.scale = scale  # type: ignore[method-assign]
+    GradScaler.step = step  # type: ignore[method-assign]
+
+
+def _install_layout_hooks(probe: Probe) -> None:
+    """`parallelize_module`: the ranks of a tensor-parallel group are meant to see the same batch."""
+    try:
+        import torch.distributed.tensor.parallel as tp
+        from torch.distributed.tensor.parallel import api
+    except ImportError:
+        return
+    original = api.parallelize_module
+    on_tp = probe.guarded("forward", probe.on_tensor_parallel)
+
+    @functools.wraps(original)
+    def parallelize_module(module: Any, device_mesh: Any = None, *args: Any, **kwargs: Any) -> Any:
+        result = original(module, device_mesh, *args, **kwargs)
+        on_tp(device_mesh)
+        return result
+
+    api.parallelize_module = parallelize_module
+    tp.parallelize_module = parallelize_module
 

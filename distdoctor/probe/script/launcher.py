@@ -105,6 +105,8 @@ def run_script_probe(
     if len(set(hosts.values())) > 1:
         extra["hosts"] = ranks_per_host(hosts)
         checks = tuple(replace(check, summary=name_hosts(check.summary, hosts)) for check in checks)
+    if all(c.status == "skip" for c in checks):
+        extra["nothing_verified"] = nothing_verified(run.trace, checks)
     return Report(mode="script", backend=backend, world_size=spec.nproc * spec.nnodes, duration_s=run.duration_s,
                   checks=checks, extra=extra)
 
@@ -138,6 +140,15 @@ def name_hosts(text: str, hosts: dict[int, str]) -> str:
         return f"{match.group(0)} ({', '.join(names)})" if names else match.group(0)
 
     return _RANKS_IN_TEXT.sub(annotate, text)
+
+
+def nothing_verified(trace: RunTrace, checks: Sequence[CheckResult]) -> str:
+    """Why every check was skipped, in one line: how the ranks ended, else the first skip's reason."""
+    root = os.path.dirname(trace.script)
+    ends = sorted({t.where(root) for t in trace.ranks.values()})
+    if ends:
+        return f"every check was skipped: {'; '.join(ends)}"
+    return f"every check was skipped: {checks[0].summary}" if checks else "no check ran"
 
 
 def observe_script(
@@ -191,11 +202,35 @@ def observe_script(
         # Node 0 judges the whole job; the other nodes only carried their ranks' records there.
         judged = relayed is None or spec.node_rank == 0
         selected = tuple(checks) if checks is not None else select_checks("script", framework)
-        verdicts = tuple(check.judge(trace) for check in selected) if judged else ()
+        verdicts = tuple(unobserved(check.judge(trace), trace) for check in selected) if judged else ()
     finally:
         if not keep_run_dir and protocol.RUN_DIR_ENV not in os.environ:
             shutil.rmtree(run_dir, ignore_errors=True)
     return ScriptRun(script=script, launch=result, trace=trace, checks=verdicts, duration_s=duration, relay=relayed)
+
+
+def unobserved(check: CheckResult, trace: RunTrace) -> CheckResult:
+    """`check` as an `error` of the probe's own when a hook it relies on failed on some rank (the
+    hook was disabled there, the script went on): its verdict rests on part of the run only.
+    A failure found at a step the ranks made before that stands; one after it may be the missing
+    records themselves (a rank whose steps stopped being recorded looks like a rank that stopped)."""
+    failures = [(rank, e) for rank, t in trace.ranks.items() for e in t.probe_errors
+                if check.id in protocol.OBSERVATIONS.get(e.get("what", ""), ("", ()))[1]]
+    if not failures:
+        return check
+    rank, first = min(failures, key=lambda item: (int(item[1].get("step") or 0), item[0]))
+    found_at = check.details.get("step")
+    if check.status == "fail" and isinstance(found_at, int) and found_at <= int(first.get("step") or 0):
+        return check
+    what = protocol.OBSERVATIONS.get(first.get("what", ""), (first.get("what", "?"), ()))[0]
+    ranks = sorted({r for r, _ in failures})
+    summary = (f"distdoctor could not observe {what} on rank(s) {','.join(map(str, ranks))} from step "
+               f"{first.get('step', 0) + 1} ({first.get('type')}: {str(first.get('message', '')).splitlines()[0][:160]}"
+               f" in the probe's {first.get('hook')}); the script itself was not affected. "
+               f"Before that: {check.status}: {check.summary}")
+    return CheckResult(check.id, "error", summary, ranks=check.ranks,
+                       details={**check.details, "probe_error": {"rank": rank, **{k: first.get(k) for k in (
+                           "what", "hook", "type", "message", "step", "traceback")}}, "verdict_before": check.status})
 
 
 def overhead(trace: RunTrace) -> dict[str, Any]:

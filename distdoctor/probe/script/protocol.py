@@ -28,6 +28,21 @@ START, DDP, OPTIMIZER, BACKWARD, BACKWARD_END, COLLECTIVE, COLLECTIVE_END = (
 SAMPLER_ITER, STEP, STOP, EXIT, ERROR = "sampler", "step", "stop", "exit", "error"
 # Everything the Horovod hooks record (distdoctor.probe.script.horovod_hooks), told apart by "what".
 HOROVOD = "hvd"
+# A sampler pass during which an optimizer step happened; the probe's own hook failing; a
+# tensor-parallel group (parallelize_module).
+SAMPLER_FED, PROBE_ERROR, TENSOR_PARALLEL = "sampler_fed", "probe_error", "tp"
+# DDP's constructor entered (its parameter broadcast is a collective of its own); DDP is written after.
+DDP_BEGIN = "ddp_begin"
+# What each observation feeds: a failed hook (PROBE_ERROR's "what") makes these checks unreliable.
+OBSERVATIONS = {
+    "steps": ("optimizer steps", ("param-sync", "grad-sync", "data-shard", "loss", "hparams", "desync")),
+    "backward": ("backward passes", ("loss", "desync")),
+    "forward": ("model inputs", ("data-shard",)),
+    "ddp": ("DDP construction", ("param-sync", "grad-sync")),
+    "sampler": ("DistributedSampler iteration", ("epoch-shuffle",)),
+    "collectives": ("collectives", ("desync",)),
+    "hparams": ("hyperparameters", ("hparams",)),
+}
 
 
 def records_path(run_dir: str | Path, rank: int) -> Path:

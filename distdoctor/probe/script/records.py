@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distdoctor.probe.script import protocol
+from distdoctor.probe.script import layouts, protocol
 
 # Checksums of the same tensor on two ranks agree to the last bit when DDP works; the tolerance
 # only forgives float64 summation order on different hardware, never a real divergence.
@@ -33,6 +33,10 @@ class Step:
     param: tuple[tuple[float, float], ...]
     param0: tuple[tuple[float, float], ...] | None
     forwards: int = 0  # training forwards through a DDP wrapper since the rank started
+    hparams: tuple[dict[str, Any], ...] | None = None  # per param group, when changed since the last step
+    clips: tuple[dict[str, Any], ...] = ()  # clipping calls since the previous step
+    scale: float | None = None  # the GradScaler's scale when the step ran inside scaler.step()
+    grad_placements: dict[int, str] | None = None  # gradients laid out unlike their parameter
 
     @property
     def made(self) -> tuple[int, int, int]:
@@ -70,6 +74,10 @@ class RankTrace:
     open_collective: int | None = None
     end: dict[str, Any] | None = None  # the stop, exit or error record
     horovod: list[dict[str, Any]] = field(default_factory=list)  # the Horovod hooks' records, in order
+    probe_errors: list[dict[str, Any]] = field(default_factory=list)  # the probe's own hooks that failed
+    tensor_parallel: list[list[int]] = field(default_factory=list)  # ranks of each parallelize_module mesh
+    fed_passes: set[tuple[int, int]] = field(default_factory=set)  # (sampler, pass) that fed optimizer steps
+    open_ddp: str | None = None  # the site of a DDP construction entered and not finished
 
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("e")
@@ -81,8 +89,11 @@ class RankTrace:
             self.steps.append(_step(record))
         elif kind == protocol.OPTIMIZER:
             self.optimizers[int(record["opt"])] = record
+        elif kind == protocol.DDP_BEGIN:
+            self.open_ddp = record.get("site", "?")
         elif kind == protocol.DDP:
             self.ddp.append(record)
+            self.open_ddp = None
         elif kind == "model":
             self.models.append(record)
         elif kind == protocol.BACKWARD:
@@ -97,6 +108,12 @@ class RankTrace:
             self.open_collective = None
         elif kind == protocol.SAMPLER_ITER:
             self.sampler_passes.append(record)
+        elif kind == protocol.SAMPLER_FED:
+            self.fed_passes.add((int(record.get("sampler", -1)), int(record.get("passes", -1))))
+        elif kind == protocol.PROBE_ERROR:
+            self.probe_errors.append(record)
+        elif kind == protocol.TENSOR_PARALLEL:
+            self.tensor_parallel.append([int(r) for r in record.get("ranks", [])])
         elif kind in (protocol.STOP, protocol.EXIT, protocol.ERROR):
             self.end = record
         elif kind == protocol.HOROVOD:
@@ -118,8 +135,14 @@ class RankTrace:
             if kind == protocol.STOP:
                 return f"stopped by the probe after step {steps}"
             if kind == protocol.ERROR:
-                return f"raised {self.end.get('type')} at {short_site(self.end.get('site', '?'), root)} after step {steps}"
-            return f"the script ended (exit status {self.end.get('code')}) after step {steps}"
+                inside = " inside DDP's construction (its parameter broadcast)" if self.open_ddp else ""
+                return (f"raised {self.end.get('type')}{inside} at {short_site(self.end.get('site', '?'), root)} "
+                        f"after step {steps}")
+            code = self.end.get("code")
+            code = 0 if code is None else code  # sys.exit() and sys.exit(None) exit with 0
+            return f"the script ended (exit status {code}) after step {steps}"
+        if self.open_ddp is not None:
+            return f"inside DDP's construction (its parameter broadcast) at {short_site(self.open_ddp, root)} after step {steps}"
         if self.open_collective is not None:
             op, site = self.collectives[self.open_collective]
             return f"inside {op} #{self.open_collective} at {short_site(site, root)} after step {steps}"
@@ -148,6 +171,10 @@ def _step(record: dict[str, Any]) -> Step:
         param=_pairs(record.get("param", ())) or (),
         param0=_pairs(record.get("param0")),
         forwards=int(record.get("dfwd", 0)),
+        hparams=tuple(record["hp"]) if isinstance(record.get("hp"), list) else None,
+        clips=tuple(record.get("clip") or ()),
+        scale=record.get("scale"),
+        grad_placements={int(k): v for k, v in record["gpl"].items()} if isinstance(record.get("gpl"), dict) else None,
     )
 
 
@@ -308,6 +335,7 @@ class Divergence:
     groups: list[list[int]]  # ranks grouped by the first differing parameter's checksum
     values: dict[int, Any]  # rank -> that checksum ([L1, L2] or None: no gradient)
     in_ddp: dict[str, bool | None]  # parameter -> was it in the DDP-wrapped model (None: no DDP)
+    layout: str = "a replica"  # how the first differing parameter is laid out (layouts.describe)
 
     @property
     def when(self) -> str:
@@ -319,9 +347,48 @@ class Divergence:
         return f"at step {self.step}{opt}"
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """Which parameters the ranks' checksums could be compared for (every optimizer)."""
+
+    compared: tuple[str, ...]  # parameters held equal by two or more ranks
+    one_copy: tuple[str, ...]  # sharded with one copy per rank: nothing to compare
+    layouts: dict[str, str]  # one_copy parameter -> its layout ("S0 on a mesh of 2")
+
+    def note(self) -> str:
+        """'; 8 sharded parameters (S0 on a mesh of 2) have one copy each and were not compared'."""
+        if not self.one_copy:
+            return ""
+        kinds = sorted(set(self.layouts.values()))
+        return (f"; {len(self.one_copy)} sharded parameter(s) ({', '.join(kinds[:3])}) have one copy each and were "
+                "not compared")
+
+
+def optimizer_records(trace: RunTrace, opt: int) -> dict[int, dict[str, Any]]:
+    return {r: trace.ranks[r].optimizers[opt] for r in trace.rank_ids if opt in trace.ranks[r].optimizers}
+
+
+def coverage(trace: RunTrace) -> Coverage:
+    """The parameters of every optimizer, split into compared and one-copy (see `layouts`)."""
+    compared: list[str] = []
+    one_copy: list[str] = []
+    kinds: dict[str, str] = {}
+    for opt in sorted({o for t in trace.ranks.values() for o in t.optimizers}):
+        records = optimizer_records(trace, opt)
+        names = trace.param_names(opt)
+        for j, name in enumerate(names):
+            if layouts.comparison_groups(records, j):
+                compared.append(name)
+            else:
+                one_copy.append(name)
+                kinds[name] = layouts.describe(records, j)
+    return Coverage(tuple(compared), tuple(one_copy), kinds)
+
+
 def first_divergence(trace: RunTrace, keys: tuple[str, ...]) -> tuple[Divergence | None, int]:
-    """The earliest step where any parameter's `keys` checksum differs across ranks, and how many
-    steps were compared. Only steps the ranks made in lockstep are compared (see `aligned_steps`)."""
+    """The earliest step where any parameter's `keys` checksum differs between ranks that must hold
+    equal values of it (`layouts.comparison_groups`), and how many steps were compared. Only steps
+    the ranks made in lockstep are compared (see `aligned_steps`)."""
     ranks = trace.rank_ids
     common = set.intersection(*(set(trace.ranks[r].optimizers) for r in ranks)) if ranks else set()
     aligned = trace.aligned_steps()
@@ -333,25 +400,51 @@ def first_divergence(trace: RunTrace, keys: tuple[str, ...]) -> tuple[Divergence
             limit = min(limit, aligned)
         compared = max(compared, limit)
         names = trace.param_names(opt)
+        records = optimizer_records(trace, opt)
+        cache: dict[Any, list[list[int]]] = {}
+
+        def groups_of(j: int, moved: dict[int, str | None] | None) -> list[list[int]]:
+            key = (j, tuple(sorted(moved.items())) if moved else None)
+            if key not in cache:
+                cache[key] = layouts.comparison_groups(records, j, moved)
+            return cache[key]
+
         for i in range(limit):
             for key in keys:
                 values = {r: getattr(per_rank[r][i], key) for r in ranks}
                 if any(v is None for v in values.values()):
                     continue
                 count = min(len(v) for v in values.values())
-                bad = [j for j in range(count) if len(group_ranks({r: values[r][j] for r in ranks})) > 1]
+                bad: list[int] = []
+                first_seen: dict[int, Any] | None = None
+                for j in range(count):
+                    moved = None
+                    if key == "grad":
+                        moved = {r: (per_rank[r][i].grad_placements or {}).get(j) for r in ranks}
+                        moved = moved if any(moved.values()) else None
+                    for members in groups_of(j, moved):
+                        picked = {r: values[r][j] for r in members}
+                        if any(layouts.unreadable(v) for v in picked.values()):
+                            continue
+                        if len(group_ranks(picked)) > 1:
+                            bad.append(j)
+                            first_seen = first_seen or picked
+                            break
                 if not bad and all(len(v) == count for v in values.values()):
                     continue
-                bad = bad or list(range(count, max(len(v) for v in values.values())))
+                if not bad:
+                    bad = list(range(count, max(len(v) for v in values.values())))
+                    first_seen = {r: (values[r][bad[0]] if bad[0] < len(values[r]) else None) for r in ranks}
                 j = bad[0]
-                picked = {r: (values[r][j] if j < len(values[r]) else None) for r in ranks}
+                assert first_seen is not None
                 in_ddp_flags = trace.ranks[ranks[0]].optimizers[opt].get("ddp")
                 label = [names[k] if k < len(names) else f"param #{k}" for k in bad]
                 return Divergence(
                     opt=opt, step=per_rank[ranks[0]][i].n, key=key, params=tuple(label),
-                    groups=group_ranks(picked), values=picked,
+                    groups=group_ranks(first_seen), values=first_seen,
                     in_ddp={name: (None if in_ddp_flags is None else bool(in_ddp_flags[k]))
                             for name, k in zip(label, bad) if in_ddp_flags is None or k < len(in_ddp_flags)},
+                    layout=layouts.describe(records, j),
                 ), compared
     return None, compared
 

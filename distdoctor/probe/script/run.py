@@ -57,7 +57,13 @@ def main(argv: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        probe.finish(exc.code)
+        # A framework that catches the script's exception, prints a hint and exits 1 (Hydra's
+        # run_and_report) leaves the real exception as the SystemExit's context: that is the error.
+        cause = exc.__context__
+        if exc.code not in (0, None) and isinstance(cause, Exception):
+            probe.error(cause, exit_code=exc.code)
+        else:
+            probe.finish(exc.code)
         raise
     except BaseException as exc:
         probe.error(exc)
