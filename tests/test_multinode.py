@@ -7,6 +7,7 @@ with the reason where they are missing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -98,11 +99,15 @@ def hosts():
     pair.down()
 
 
-def _both(hosts: TwoHosts, args: list[str], port: int, timeout: float = 150) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
+def _both(hosts: TwoHosts, args: list[str], port: int, timeout: float = 150, *,
+          on_b: list[str] = (), env_b: dict[str, str] | None = None) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
+    """`distdoctor ARGS` on both hosts; node-b (node 1) also gets `on_b` and `env_b`."""
     endpoint = f"{hosts.addresses[0]}:{port}"
     procs = []
     for node in (0, 1):
-        procs.append(hosts.start(node, [*args, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint]))
+        extra = [*on_b] if node == 1 else []
+        procs.append(hosts.start(node, [*args, *extra, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint],
+                                 env=env_b if node == 1 else None))
         hosts.procs.append(procs[-1])
     out = []
     for proc in procs:
@@ -176,3 +181,106 @@ def test_a_node_that_cannot_reach_the_rendezvous_says_so_in_time(hosts):
     assert proc.returncode != 0
     assert "node 1 could not rendezvous at 10.231." in stdout + stderr
     assert time.monotonic() - started < 40
+
+
+# --- cross-node checks and faults only two nodes show -----------------------------------------------
+
+
+def _line(out: str, check: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(check + " "))
+
+
+def test_env_fails_when_one_host_disables_infiniband_and_names_it(hosts):
+    # Real, not planted: node-b alone is started with NCCL_IB_DISABLE=1 (a forgotten export). Its
+    # NCCL would talk sockets while node-a's talks InfiniBand; gloo runs the probe regardless.
+    (rc0, out0, err0), (rc1, out1, err1) = _both(
+        hosts, ["probe", "--nproc", "1", "--checks", "env,collectives", "--timeout", "120"], 29671,
+        env_b={"NCCL_IB_DISABLE": "1"})
+    assert rc0 == 1, out0 + err0
+    env = _line(out0, "env")
+    assert "FAIL" in env and "NCCL_IB_DISABLE differs across hosts" in env, out0
+    assert "unset on node-a (rank 0)" in env and "NCCL_IB_DISABLE=1 on node-b (rank 1)" in env, env
+    assert "PASS" in _line(out0, "collectives")
+    assert rc1 == 1 and "NCCL_IB_DISABLE=1 on node-b" in out1, out1 + err1  # every node reports the same
+
+
+def test_env_passes_across_two_hosts_and_lists_ranks_per_host(hosts):
+    (rc0, out0, err0), _ = _both(hosts, ["probe", "--nproc", "1", "--checks", "env", "--timeout", "120",
+                                         "--format", "json"], 29676)
+    assert rc0 == 0, out0 + err0
+    (env,) = json.loads(out0)["checks"]
+    assert env["status"] == "pass" and env["details"]["ranks_per_host"] == {"node-a": [0], "node-b": [1]}
+    assert env["ranks"]["1"]["gloo_env"]["GLOO_SOCKET_IFNAME"] == hosts.links[1]  # per host, not compared
+
+
+def test_bandwidth_measures_intra_and_inter_node_links_apart(hosts):
+    (rc0, out0, err0), _ = _both(hosts, ["probe", "--nproc", "2", "--checks", "bandwidth", "--timeout", "150",
+                                         "--format", "json"], 29681, timeout=200)
+    assert rc0 == 0, out0 + err0
+    (bandwidth,) = json.loads(out0)["checks"]
+    scopes = bandwidth["details"]["scopes"]
+    assert scopes["intra"]["nodes"] == 2 and scopes["intra"]["group_size"] == 2
+    assert set(scopes["intra"]["per_node"]) == {"0", "1"}
+    assert scopes["inter"]["group_size"] == 2 and scopes["inter"]["busbw_GBps"] > 0
+    assert "intra-node" in bandwidth["summary"] and "inter-node" in bandwidth["summary"]
+
+
+def _inter_node_busbw(hosts: TwoHosts, port: int) -> float:
+    (rc0, out0, err0), _ = _both(hosts, ["probe", "--nproc", "1", "--checks", "bandwidth", "--timeout", "150",
+                                         "--format", "json"], port, timeout=200)
+    assert rc0 in (0, 1), out0 + err0  # a slow enough link warns
+    (bandwidth,) = json.loads(out0)["checks"]
+    assert "inter-node: 2 nodes, one rank each" in bandwidth["summary"]
+    return bandwidth["details"]["sizes"][-1]["busbw_GBps"]
+
+
+# How to slow node-a's side of the link: netem's delay where the kernel has it, else tbf's rate limit.
+SHAPING = (["netem", "delay", "20ms"], ["tbf", "rate", "100mbit", "burst", "64kb", "latency", "400ms"])
+
+
+def test_a_slowed_link_shows_as_an_inter_node_bandwidth_drop(hosts):
+    qdisc = ["ip", "netns", "exec", hosts.names[0], "tc", "qdisc"]
+    errors = []
+    for shaping in SHAPING:  # which one this kernel has, tried before the measurements
+        tried = subprocess.run([*qdisc, "add", "dev", hosts.links[0], "root", *shaping], capture_output=True, text=True)
+        if tried.returncode == 0:
+            subprocess.run([*qdisc, "del", "dev", hosts.links[0], "root"], check=True, capture_output=True)
+            break
+        errors.append(f"{shaping[0]}: {tried.stderr.strip()}")
+    else:
+        pytest.skip(f"tc cannot slow the link here ({'; '.join(errors)})")
+    fast = _inter_node_busbw(hosts, 29686)
+    subprocess.run([*qdisc, "add", "dev", hosts.links[0], "root", *shaping], check=True, capture_output=True)
+    slow = _inter_node_busbw(hosts, 29688)
+    print(f"inter-node busbw: {fast} GB/s, then {slow} GB/s under {' '.join(shaping)}")
+    assert slow < fast / 3, (shaping, fast, slow)
+
+
+def test_rank_from_local_rank_only_feeds_both_hosts_the_same_rows(hosts):
+    script = str(FIXTURES / "multinode" / "fault_rank_from_local_rank.py")
+    (rc0, out0, err0), _ = _both(hosts, ["probe", script, "--nproc", "1", "--timeout", "120"], 29691)
+    assert rc0 == 1, out0 + err0
+    line = _line(out0, "data-shard")
+    assert "FAIL" in line and "rank(s) 0,1 (node-a, node-b) were fed identical batches" in line, line
+    for check in ("param-sync", "grad-sync", "desync", "loss"):
+        assert "PASS" in _line(out0, check), out0
+
+
+def test_a_node_given_other_steps_is_named_by_the_script_probe(hosts):
+    # Each node's launcher passes its own flags: node-b stops after 4 steps, node-a waits for it.
+    script = str(FIXTURES / "healthy_env_local_rank.py")
+    (rc0, out0, err0), (rc1, out1, err1) = _both(
+        hosts, ["probe", script, "--nproc", "1", "--steps", "30", "--timeout", "120"], 29701, on_b=["--steps", "4"])
+    assert rc0 == 1, out0 + err0
+    desync = _line(out0, "desync")
+    assert "FAIL" in desync, out0
+    assert "the ranks were given different --steps (30 for rank 0 (node-a); 4 for rank 1 (node-b))" in desync, desync
+
+
+def test_a_node_given_other_steps_is_a_usage_error_of_the_builtin_probe(hosts):
+    (rc0, out0, err0), (rc1, out1, err1) = _both(
+        hosts, ["probe", "--nproc", "1", "--checks", "env,convergence", "--steps", "6", "--timeout", "120"], 29711,
+        on_b=["--steps", "3"])
+    for rc, out in ((rc0, out0 + err0), (rc1, out1 + err1)):
+        assert rc == 2, out
+        assert "different probe flags: --steps 6 on node-a (rank 0); 3 on node-b (rank 1)" in out, out

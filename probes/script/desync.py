@@ -130,7 +130,28 @@ def _is_peer_error(t: RankTrace) -> bool:
 
 
 def verdict(trace: RunTrace) -> CheckResult:
-    """Compare what each rank did between optimizer steps, and how each rank ended."""
+    """Compare what each rank did between optimizer steps, and how each rank ended.
+
+    On several nodes each node's launcher passes its own `--steps`: ranks given different budgets
+    stop at different steps while the others wait. That is the probe's usage, not the script's
+    fault, and the finding says so first (from the budgets in the ranks' start records).
+    """
+    result = _verdict(trace)
+    budgets = {r: t.budget for r, t in trace.ranks.items() if t.budget is not None}
+    if len(set(budgets.values())) < 2:
+        return result
+    groups: dict[int, list[int]] = {}
+    for rank in sorted(budgets):
+        groups.setdefault(budgets[rank], []).append(rank)
+    told = "; ".join(f"{'to the end' if b == 0 else b} for rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                     for b, r in groups.items())
+    summary = (f"the ranks were given different --steps ({told}): each node passes its own flags, start every "
+               f"node with the same --steps; what followed: {result.summary}")
+    return CheckResult(ID, "fail", summary, ranks=result.ranks,
+                       details={**result.details, "steps_budget": {str(r): b for r, b in budgets.items()}})
+
+
+def _verdict(trace: RunTrace) -> CheckResult:
     if not trace.ranks:
         return CheckResult(ID, "error", "no rank started the script" +
                            (f": {trace.launch_failure}" if trace.launch_failure else ""))

@@ -38,6 +38,38 @@ def _device(backend: str, local_rank: int, faults: frozenset[str]) -> torch.devi
     return torch.device("cuda", index)
 
 
+class SettingsMismatch(RuntimeError):
+    """The nodes of one launch were started with different probe flags (a usage error)."""
+
+
+def agree_on_settings(ctx: RankContext, checks) -> None:
+    """Raise on every rank when the ranks were not all given the same checks, steps and faults.
+
+    Each node's launcher passes its own flags: a node started with another `--steps` would run
+    another number of collectives in `convergence` and hang the others until the collective
+    timeout. One gather before the first check turns that into a clear usage error on every node.
+    """
+    import socket
+
+    mine = {"host": socket.gethostname(), "steps": ctx.steps, "checks": ",".join(c.id for c in checks),
+            "inject": ",".join(sorted(ctx.faults))}
+    everyone: list[dict | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    differ = []
+    for flag in ("steps", "checks", "inject"):
+        values: dict[str, dict[str, list[int]]] = {}
+        for rank, settings in enumerate(everyone):
+            values.setdefault(str(settings[flag]), {}).setdefault(settings["host"], []).append(rank)
+        if len(values) > 1:
+            differ.append(f"--{flag} " + "; ".join(
+                f"{value or '(none)'} on " + ", ".join(f"{host} (rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))})"
+                                                      for host, r in hosts.items())
+                for value, hosts in values.items()))
+    if differ:
+        raise SettingsMismatch("the nodes were started with different probe flags: " + "; ".join(differ)
+                               + ". Start every node with the same flags")
+
+
 @record
 def main() -> None:
     out_dir = Path(os.environ[OUT_DIR_ENV])
@@ -56,6 +88,7 @@ def main() -> None:
     ctx.progress("init")
     dist.init_process_group(backend, timeout=timeout)
     try:
+        agree_on_settings(ctx, checks)
         evidence: dict[str, dict] = {}
         for check in checks:
             ctx.progress(check.id)

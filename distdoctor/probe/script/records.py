@@ -63,6 +63,7 @@ class RankTrace:
     main_thread: int | None = None
     host: str | None = None
     backend: str | None = None
+    budget: int | None = None  # the --steps this rank's node was given (0: to the end)
     steps: list[Step] = field(default_factory=list)
     optimizers: dict[int, dict[str, Any]] = field(default_factory=dict)
     ddp: list[dict[str, Any]] = field(default_factory=list)
@@ -83,6 +84,7 @@ class RankTrace:
         kind = record.get("e")
         if kind == protocol.START:
             self.pid, self.main_thread, self.host = record.get("pid"), record.get("main_thread"), record.get("host")
+            self.budget = record.get("steps")
         elif kind == "pg":
             self.backend = record.get("backend")
         elif kind == protocol.STEP:

@@ -41,9 +41,9 @@ def main(argv: list[str]) -> None:
 
     from distdoctor.probe.script.hooks import Probe, RecordWriter, install_torch_hooks
 
-    probe = Probe(RecordWriter(protocol.records_path(run_dir, rank)), rank,
-                  int(os.environ.get(STEPS_ENV, "0") or 0), script)
-    probe.write(protocol.START, rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")),
+    budget = int(os.environ.get(STEPS_ENV, "0") or 0)
+    probe = Probe(RecordWriter(protocol.records_path(run_dir, rank)), rank, budget, script)
+    probe.write(protocol.START, rank=rank, steps=budget, world=int(os.environ.get("WORLD_SIZE", "1")),
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(), host=socket.gethostname(),
                 main_thread=threading.main_thread().ident, script=script)
     install_torch_hooks(probe)
