@@ -279,7 +279,7 @@ class PrintOnEveryRank(Rule):
                     continue
                 if not any(id(loop) in training_loops for loop in step.loops):
                     continue
-                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+                if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     continue
                 if any(_names_process(ctx, trace, step, arg.value) for arg in call.args):
                     continue
@@ -391,7 +391,7 @@ def _logging_rank_aware(ctx: LintContext) -> bool:
             name = dotted(call.func) or ""
             last = name.rsplit(".", 1)[-1]
             if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger"):
-                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+                if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     return True
                 if any(arg.keyword is not None and "rank" in arg.keyword.value for arg in call.args):
                     return True
