@@ -9,6 +9,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.loops import training_loops
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -291,11 +292,8 @@ class PrintOnEveryRank(Rule):
 
 
 def _training_loops(ctx: LintContext, trace: Trace) -> set[int]:
-    loops: set[int] = set()
-    for step, call in trace.calls():
-        if ctx.is_backward(call):
-            loops.update(id(loop) for loop in step.loops)
-    return loops
+    # Not a hyperparameter search around them: its per-trial output is no training progress.
+    return training_loops(ctx, trace)
 
 
 def _output_kind(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> str | None:

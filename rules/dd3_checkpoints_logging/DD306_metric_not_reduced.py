@@ -16,7 +16,7 @@ from distdoctor.lint.rule import Example, Report, Rule
 LOG_METHODS = frozenset({"info", "warning", "log", "add_scalar", "add_scalars", "debug"})
 # Helpers that combine results across ranks (project utilities, torchmetrics' compute(),
 # accelerate's gather): when unknown, assume they reduce.
-REDUCING_NAME = re.compile(r"reduce|gather|sync|all_|compute|average|metric_average")
+REDUCING_NAME = re.compile(r"reduce|gather|sync|all_|compute|average|metric_average|(^|_)(dist|ddp|hvd|world|global)(_|$)")
 
 
 class MetricNotReduced(Rule):
@@ -25,8 +25,9 @@ class MetricNotReduced(Rule):
     Flags a value computed in an evaluation loop (no `backward()`) over a `DataLoader` whose
     sampler is a `DistributedSampler`, then printed or logged under a rank-0 condition, when no
     collective (`all_reduce`, `all_gather`, `reduce`, `hvd.allreduce`, ...) and no helper whose
-    name says it reduces (`reduce_tensor`, `synchronize_between_processes`, `metric.compute()`,
-    `accelerator.gather`) runs between the loop and the report.
+    name says it reduces (`reduce_tensor`, `dist_sum`, `synchronize_between_processes`,
+    `metric.compute()`, `accelerator.gather`) runs in the loop (batch by batch) or between the
+    loop and the report.
 
     ## Why is this bad?
     A `DistributedSampler` gives each rank 1/N of the validation set. A metric computed from one
@@ -211,6 +212,8 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
     for other in trace.steps[loop_step.index + 1 :]:
         if not other.in_loop(loop):
             break
+        if any(_reduces(ctx, call) for call in syntax.own_calls(other.node)):
+            return  # reduced batch by batch inside the loop (`dist.all_reduce(correct)`)
         seeds |= {(other.frame.id, name) for name in _assigned_names(other.node)}
         for call in syntax.own_calls(other.node):
             # `losses.append(...)`, `meter.update(...)`: accumulators mutated in place.
@@ -243,6 +246,8 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
 def _reduces(ctx: LintContext, call: cst.Call) -> bool:
     if ctx.collective_name(call) is not None:
         return True
+    if (ctx.qualname(call.func) or "").startswith("torch."):
+        return False  # `torch.cuda.synchronize()` waits for the GPU; it reduces nothing
     name = dotted(call.func) or ""
     return bool(REDUCING_NAME.search(name.rsplit(".", 1)[-1].lower()))
 

@@ -13,7 +13,7 @@ from functools import cached_property
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, loops, syntax
 from distdoctor.lint.finding import Edit
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
@@ -151,6 +151,14 @@ class LintContext:
                 continue
             found.append(RankGuard(guard, ranks.zero, _tests_local_rank(guard.test, self, step), ranks.certain))
         return found
+
+    def loop_roles(self, trace: Trace) -> dict[int, str]:
+        """id(loop) -> "training" / "evaluation" / "search" for the loops of `trace` (see
+        `analysis/loops.py`); computed once per trace."""
+        cache = self.__dict__.setdefault("_loop_roles", {})
+        if id(trace) not in cache:
+            cache[id(trace)] = loops.loop_roles(self, trace)
+        return cache[id(trace)]
 
     def under_rank_zero(self, trace: Trace, step: Step, uncertain: bool = False) -> bool:
         """Whether `step` runs on rank 0 only (with `uncertain`: perhaps on rank 0 only)."""
