@@ -388,7 +388,9 @@ def _logging_rank_aware(ctx: LintContext) -> bool:
         for step, call in trace.calls():
             name = dotted(call.func) or ""
             last = name.rsplit(".", 1)[-1]
-            if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger"):
+            # ... or a project helper that sets logging up with the rank (`set_logging(rank)`,
+            # `setup_logging(args.rank)`): its body is elsewhere, its arguments say enough.
+            if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger") or "logging" in last.lower() or "logger" in last.lower():
                 if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     return True
                 if any(arg.keyword is not None and "rank" in arg.keyword.value for arg in call.args):
