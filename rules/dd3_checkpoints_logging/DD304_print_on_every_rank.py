@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.loops import training_loops
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -35,12 +35,18 @@ class PrintOnEveryRank(Rule):
     Silent when the message names the process (the rank, or an RPC worker name from
     `rpc.get_worker_info()`, also when passed through a logging helper's parameter or a local
     variable): per-process output is then deliberate, as in RPC parameter-server scripts where
-    ranks have different roles. Silent for `print` when the script replaces it for non-master
+    ranks have different roles; likewise when it reports progress through the process's own
+    shard (`len(train_sampler)` of a `DistributedSampler`, as Horovod's examples do). A loop
+    that only runs training runs (a hyperparameter search rebuilding the optimizer each
+    iteration) is no training loop: its per-trial summary is not progress output. Silent for
+    `print` when the script replaces it for non-master
     ranks: a `setup_for_distributed` / `builtins.print = ...` in the file, a call to an imported
     `init_distributed_mode` (the torchvision-references helper copied by DeiT, DETR, DINO and MAE,
     which calls `setup_for_distributed(rank == 0)`), or any `print(..., force=True)` (the builtin
     has no `force` keyword: it only runs because `print` was replaced). For `logging`, silent
-    when the script sets the logging level or handlers under a rank condition.
+    when the script sets the logging level or handlers under a rank condition or from the rank
+    (`logging.basicConfig(level=INFO if rank in [-1, 0] else WARN)`, `set_logging(rank)`).
+    Under a condition that may or may not restrict the ranks (`if debug or rank == 0:`), silent.
 
     ## Why is this bad?
     Every process prints the same progress line: with 8 GPUs per node and 4 nodes, 32 copies of
@@ -153,6 +159,26 @@ class PrintOnEveryRank(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            sampler = DistributedSampler(ds, num_replicas=hvd.size(), rank=hvd.rank())
+            loader = DataLoader(ds, batch_size=64, sampler=sampler)
+            for epoch in range(10):
+                sampler.set_epoch(epoch)
+                for i, (x, y) in enumerate(loader):
+                    loss = model(x).sum()
+                    loss.backward()
+                    opt.step()
+                    if i % 10 == 0:
+                        # this worker's progress through its own partition: differs per rank
+                        print(f"epoch {epoch} [{i * len(x)}/{len(sampler)}] loss {loss.item():.4f}")
+            """
+        ),
         Example(
             """
             import torch.distributed as dist
@@ -284,6 +310,8 @@ class PrintOnEveryRank(Rule):
                     continue
                 if any(_names_process(ctx, trace, step, arg.value) for arg in call.args):
                     continue
+                if _reports_own_shard(trace, step, call):
+                    continue
                 yield Report(
                     call,
                     "training progress is printed by every rank (N copies of each line): guard it with "
@@ -321,6 +349,18 @@ def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
                 if value is not None and value.is_rank_like:
                     return True
                 if isinstance(node, cst.Name) and "rank" in node.value.lower():
+                    return True
+    return False
+
+
+def _reports_own_shard(trace: Trace, step: Step, call: cst.Call) -> bool:
+    """`print(..., len(train_sampler), ...)`: progress through this process's own partition of the
+    data (Horovod's examples), which differs per rank, so each rank's line says something."""
+    for arg in call.args:
+        for node in syntax.walk(arg.value, skip=(cst.Lambda,)):
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len" and node.args:
+                value = trace.value(node.args[0].value, step)
+                if value is not None and value.kind == kinds.SAMPLER:
                     return True
     return False
 

@@ -35,7 +35,7 @@ def loop_roles(ctx, trace: Trace) -> dict[int, str]:
     builds = [
         step
         for step, call in trace.calls()
-        if step.loops and (value := trace.value(call, step)) is not None and value.kind in _BUILT_PER_RUN
+        if step.loops and _builds(trace, step, call)
     ]
     roles: dict[int, str] = {}
     for step in trace.steps:
@@ -47,6 +47,13 @@ def loop_roles(ctx, trace: Trace) -> dict[int, str]:
         elif _evaluates(ctx, trace, step, loop):
             roles[id(loop)] = EVALUATION
     return roles
+
+
+def _builds(trace: Trace, step, call: cst.Call) -> bool:
+    """`torch.optim.SGD(...)`, `DDP(...)`: a call that makes a new optimizer or wrapper (not
+    `model.train()`, which hands back the wrapper it was called on)."""
+    value = trace.value(call, step)
+    return value is not None and value.kind in _BUILT_PER_RUN and value.node is call
 
 
 def _rebuilds_per_iteration(loop, backward_steps, builds, backward_loops: set[int]) -> bool:
