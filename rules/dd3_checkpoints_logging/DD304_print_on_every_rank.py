@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor.lint.analysis import kinds, syntax
-from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.loops import training_loops
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -36,8 +36,10 @@ class PrintOnEveryRank(Rule):
     `rpc.get_worker_info()`, also when passed through a logging helper's parameter or a local
     variable): per-process output is then deliberate, as in RPC parameter-server scripts where
     ranks have different roles; likewise when it reports progress through the process's own
-    shard (`len(train_sampler)` of a `DistributedSampler`, as Horovod's examples do). A loop
-    that only runs training runs (a hyperparameter search rebuilding the optimizer each
+    shard (`len(train_sampler)` of a `DistributedSampler`, as Horovod's examples do). Only output
+    that changes from one iteration to the next is progress (it reads the loop counter, the loss,
+    anything the loop rebinds); a fixed line printed once is not. A loop that only runs training
+    runs (a hyperparameter search rebuilding the optimizer each
     iteration) is no training loop: its per-trial summary is not progress output. Silent for
     `print` when the script replaces it for non-master
     ranks: a `setup_for_distributed` / `builtins.print = ...` in the file, a call to an imported
@@ -159,6 +161,23 @@ class PrintOnEveryRank(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for epoch in range(args.epochs):
+                for x, y in loader:
+                    loss = model(x).sum()
+                    loss.backward()
+                    opt.step()
+                    if epoch == args.warmup_epochs:
+                        print("warm-up over: switching on the KL term")  # a fixed line, once
+                if best_loss < args.threshold:
+                    print(f"hit threshold {args.threshold}, stopping")
+                    break
+            """
+        ),
         Example(
             """
             import horovod.torch as hvd
@@ -312,6 +331,8 @@ class PrintOnEveryRank(Rule):
                     continue
                 if _reports_own_shard(trace, step, call):
                     continue
+                if not _reports_progress(trace, step, call, training_loops):
+                    continue
                 yield Report(
                     call,
                     "training progress is printed by every rank (N copies of each line): guard it with "
@@ -351,6 +372,39 @@ def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
                 if isinstance(node, cst.Name) and "rank" in node.value.lower():
                     return True
     return False
+
+
+def _reports_progress(trace: Trace, step: Step, call: cst.Call, training_loops: set[int]) -> bool:
+    """Whether the output changes from iteration to iteration: it reads a name the training loop
+    (re)binds (its counter, the loss), or runs in a helper the loop calls. A fixed line
+    (`print("Begin hard attention loss")`, `print(f"Hit threshold {args.threshold}")`) printed
+    once is no progress report."""
+    read = set()
+    for arg in call.args:
+        read |= _names_read(arg.value)
+    if not read:
+        return False
+    loops = [loop for loop in step.loops if id(loop) in training_loops]
+    loop_frames = {id(other.frame) for other in trace.steps if other.node in loops}
+    if id(step.frame) not in loop_frames:
+        return True  # a helper called in the loop: its arguments are per-iteration values
+    for other in trace.steps:
+        if other.frame is not step.frame or not any(other.in_loop(loop) or other.node is loop for loop in loops):
+            continue
+        if read & _assigned_names(other.node):
+            return True
+    return False
+
+
+def _names_read(expr: cst.BaseExpression) -> set[str]:
+    attribute_names: set[int] = set()
+    names: set[str] = set()
+    for node in syntax.walk(expr, skip=(cst.Lambda,)):
+        if isinstance(node, cst.Attribute):
+            attribute_names.add(id(node.attr))
+        elif isinstance(node, cst.Name) and id(node) not in attribute_names:
+            names.add(node.value)
+    return names
 
 
 def _reports_own_shard(trace: Trace, step: Step, call: cst.Call) -> bool:
