@@ -23,7 +23,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis.evaluate import Evaluator, env_key, lookup
 from distdoctor.lint.analysis.names import dotted
-from distdoctor.lint.analysis.scope import Frame, ModuleInfo
+from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
 from distdoctor.lint.analysis.syntax import keyword, own_calls
 from distdoctor.lint.analysis.kinds import (
     UNKNOWN, LOCAL_RANK, INSTANCE, TUPLE, CONST, Value,
@@ -238,8 +238,8 @@ class _Builder:
         func = call.func
         qual = self.ctx.qualname(func)
         if qual is not None:
-            if qual.endswith("multiprocessing.spawn") and call.args and isinstance(call.args[0].value, cst.Name):
-                worker = self.ctx.functions.get(call.args[0].value.value)
+            if qual.endswith("multiprocessing.spawn") and (spawned := spawned_function(call)) is not None:
+                worker = self.ctx.functions.get(spawned)
                 if worker is not None:
                     return worker, None, None, "spawn"
             return None
@@ -294,6 +294,8 @@ class _Builder:
             if params:
                 self.env = {**self.env, ("local", frame.id, params[0].name.value): Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)}
             extra = keyword(call, "args")
+            if extra is None and len(call.args) > 1 and call.args[0].keyword is None and call.args[1].keyword is None:
+                extra = call.args[1].value  # mp.spawn(fn, (a, b), nprocs=n)
             passed = []
             if isinstance(extra, cst.Tuple):
                 passed = [self.evaluate(el.value, caller, results) for el in extra.elements]
@@ -316,6 +318,8 @@ class _Builder:
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value in by_name:
                 value = self.evaluate(arg.value, caller, results)
+                if params and arg.keyword.value == params[0].name.value and not skip_first and function.name.value in self.ctx.spawn_targets and (value is None or not value.is_rank_like):
+                    value = Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)  # `fn(rank=0, ...)`
                 if value is not None:
                     self.env = {**self.env, ("local", frame.id, arg.keyword.value): value}
 
