@@ -47,7 +47,10 @@ class PrintOnEveryRank(Rule):
     which calls `setup_for_distributed(rank == 0)`), or any `print(..., force=True)` (the builtin
     has no `force` keyword: it only runs because `print` was replaced). For `logging`, silent
     when the script sets the logging level or handlers under a rank condition or from the rank
-    (`logging.basicConfig(level=INFO if rank in [-1, 0] else WARN)`, `set_logging(rank)`).
+    (`logging.basicConfig(level=INFO if rank in [-1, 0] else WARN)`, `set_logging(rank)`), and
+    when the file never configures logging at all (then it is configured elsewhere, per rank or
+    not, or not at all, and `logger.info` prints nothing). Silent inside `except` blocks: an
+    error report from each rank says what went wrong on that rank.
     Under a condition that may or may not restrict the ranks (`if debug or rank == 0:`), silent.
 
     ## Why is this bad?
@@ -99,6 +102,7 @@ class PrintOnEveryRank(Rule):
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
 
+            logging.basicConfig(level=logging.INFO)  # the same level on every rank
             logger = logging.getLogger(__name__)
 
             def train_epoch(model, loader, optimizer, epoch):
@@ -161,6 +165,26 @@ class PrintOnEveryRank(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import logging
+            import torch.distributed as dist
+            from utils.logging import setup_logging  # configures the levels, per rank or not: unseen
+
+            logger = logging.getLogger(__name__)
+            dist.init_process_group("nccl")
+            setup_logging(args)
+            for step, batch in enumerate(loader):
+                try:
+                    loss = model(batch).sum()
+                    loss.backward()
+                    opt.step()
+                except RuntimeError:
+                    print(f"step {step}: batch of shape {batch.shape} failed")  # each rank's own error
+                    raise
+                logger.info("step %d loss %.4f", step, loss.item())
+            """
+        ),
         Example(
             """
             import torch.distributed as dist
@@ -311,7 +335,9 @@ class PrintOnEveryRank(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.runs_multi_process or PRINT_OVERRIDE.search(ctx.source):
             return
-        logging_rank_aware = _logging_rank_aware(ctx)
+        # Logging that this file does not configure is configured elsewhere (per rank or not:
+        # unknown) or not at all (then `info` prints nothing): either way, say nothing.
+        logging_rank_aware = _logging_rank_aware(ctx) or not _configures_logging(ctx)
         print_replaced = _print_replaced(ctx)
         for trace in ctx.traces:
             if not ctx.is_entry(trace):
@@ -325,6 +351,8 @@ class PrintOnEveryRank(Rule):
                     continue
                 if not any(id(loop) in training_loops for loop in step.loops):
                     continue
+                if _in_except_handler(ctx, step):
+                    continue  # error reports: each rank says what went wrong on it
                 if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     continue
                 if any(_names_process(ctx, trace, step, arg.value) for arg in call.args):
@@ -371,6 +399,35 @@ def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
                     return True
                 if isinstance(node, cst.Name) and "rank" in node.value.lower():
                     return True
+    return False
+
+
+LOGGING_SETUP = frozenset({"basicConfig", "setLevel", "addHandler", "dictConfig", "fileConfig"})
+
+
+def _configures_logging(ctx: LintContext) -> bool:
+    for call in ctx.nodes(cst.Call):
+        if (dotted(call.func) or "").rsplit(".", 1)[-1] in LOGGING_SETUP:
+            return True
+    return False
+
+
+def _in_except_handler(ctx: LintContext, step: Step) -> bool:
+    """Whether the step runs inside an `except` block, in its function or at the call site that
+    ran it."""
+    node = ctx.parent(step.node)
+    frame = step.frame
+    while node is not None:
+        if isinstance(node, cst.ExceptHandler):
+            return True
+        if isinstance(node, cst.FunctionDef):
+            while frame is not None and frame.function is not node:
+                frame = frame.parent
+            if frame is None or frame.call is None or frame.parent is None:
+                return False
+            node, frame = ctx.parent(frame.call), frame.parent
+            continue
+        node = ctx.parent(node)
     return False
 
 
