@@ -190,8 +190,10 @@ class Evaluator:
             kinds = {v.kind for v in (left, right) if v is not None}
             if NODE_RANK in kinds and isinstance(node.operator, cst.Multiply):
                 return Value(NODE_RANK, node, origin="arith")  # `node_rank * gpus`, plus a local rank below
-            if NODE_RANK in kinds and LOCAL_RANK in kinds:
-                return Value(RANK, node, origin="arith")
+            if NODE_RANK in kinds and (LOCAL_RANK in kinds or isinstance(node.operator, cst.Add) and any(
+                v is not None and v.kind == NODE_RANK and v.origin == "arith" for v in (left, right)
+            )):
+                return Value(RANK, node, origin="arith")  # `node_rank * gpus + gpu`
             if RANK in kinds or (LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _node_offset(node, left, right)):
                 return Value(RANK, node, origin="arith")
         if isinstance(node.operator, (cst.Multiply, cst.Divide, cst.FloorDivide)):
