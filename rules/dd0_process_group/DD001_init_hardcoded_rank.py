@@ -124,6 +124,26 @@ class InitHardcodedRank(Rule):
     )
     valid = (
         Example(
+            # Every call site counts: the single-GPU fallback `run(rank=0, ...)` does not make
+            # the worker's rank the constant 0 for the spawned processes.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            def run(rank, args):
+                if args.num_gpus > 1:
+                    dist.init_process_group("nccl", init_method=args.init_file, rank=rank, world_size=args.num_gpus)
+                train(rank, args)
+
+            def main(args):
+                if args.num_gpus == 1:
+                    run(rank=0, args=args)
+                else:
+                    mp.spawn(fn=run, args=(args,), nprocs=args.num_gpus)
+            """
+        ),
+        Example(
             """
             import torch.distributed as dist
 

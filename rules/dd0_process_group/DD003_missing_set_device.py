@@ -197,7 +197,7 @@ class MissingSetDevice(Rule):
         uses = [
             (ctx.position(call).start.line, call)
             for trace, step, call, _ in current_device_uses(ctx)
-            if id(trace) in started and not ctx.under_rank_zero(trace, step)
+            if id(trace) in started and not ctx.under_rank_zero(trace, step, uncertain=True)
         ]
         if not uses:
             return

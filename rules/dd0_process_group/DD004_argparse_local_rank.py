@@ -61,6 +61,23 @@ class ArgparseLocalRank(Rule):
 
     invalid = (
         Example(
+            # The flag's value goes through a starred reassignment before it picks the device.
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+            import helpers
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)  # expect: DD004
+            opt = parser.parse_args()
+            opt.global_rank, opt.local_rank = helpers.global_rank(), *[opt.local_rank]
+            if opt.local_rank != -1:
+                torch.cuda.set_device(opt.local_rank)
+                dist.init_process_group("nccl")
+            """
+        ),
+        Example(
             """
             import argparse
             import torch

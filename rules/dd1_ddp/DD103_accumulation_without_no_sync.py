@@ -236,10 +236,20 @@ def _controls_sync(ctx: LintContext) -> bool:
             return True
         if isinstance(node, cst.Name) and "no_sync" in node.value:
             return True
-    return any(
+    if any(
         isinstance(call.func, cst.Attribute) and call.func.attr.value in SYNC_CONTROL_CALLS
         for call in ctx.nodes(cst.Call)
-    )
+    ):
+        return True
+    # A helper context manager from another module (`with ddp_sync(model, sync):`,
+    # `with maybe_no_sync(model, last):`): its name says it decides the sync; its body is unseen.
+    for with_node in ctx.nodes(cst.With):
+        for item in with_node.items:
+            if isinstance(item.item, cst.Call):
+                name = (names.dotted(item.item.func) or "").rsplit(".", 1)[-1].lower()
+                if "sync" in name:
+                    return True
+    return False
 
 
 def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:

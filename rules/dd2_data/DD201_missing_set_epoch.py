@@ -12,11 +12,9 @@ from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Fix
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.kinds import Value
+from distdoctor.lint.analysis.loaders import says_eval
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
-
-EVAL_WORDS = ("val", "test", "eval", "valid")
-
 
 class MissingSetEpoch(Rule):
     """
@@ -151,6 +149,28 @@ class MissingSetEpoch(Rule):
                     epoch += 1
             """
         ),
+        Example(
+            # Evaluation words count as whole words only: `contest`, `latest` and `interval`
+            # hold no `test` or `val`, so these loaders are training loaders.
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            sampler = DistributedSampler(ds, num_replicas=hvd.size(), rank=hvd.rank())
+            contest_loader = DataLoader(ds, batch_size=32, sampler=sampler)
+
+            def train(epoch):
+                for data, target in contest_loader:
+                    opt.zero_grad()
+                    model(data).sum().backward()
+                    opt.step()
+
+            for epoch in range(10):  # expect: DD201
+                train(epoch)
+            """
+        ),
     )
     valid = (
         Example(
@@ -208,6 +228,20 @@ class MissingSetEpoch(Rule):
             val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set))
             for epoch in range(10):
                 for batch in val_loader:
+                    evaluate(batch)
+            """
+        ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            latest_loader = DataLoader(train_set, sampler=DistributedSampler(train_set))
+            valid_loader = DataLoader(val_set, sampler=DistributedSampler(val_set))
+            for epoch in range(10):
+                latest_loader.sampler.set_epoch(epoch)
+                for batch in latest_loader:
+                    step(batch)
+                for batch in valid_loader:
                     evaluate(batch)
             """
         ),
@@ -346,8 +380,9 @@ def _shuffling_sampler(value: Value | None) -> tuple[Value | None, Value | None]
 
 
 def _looks_like_eval(loader: Value | None, sampler: Value, expr: cst.BaseExpression) -> bool:
+    # Whole words only: `latest_loader`, `interval_loader`, `contest_loader` are no eval loaders.
     names = [sampler.name, loader.name if loader is not None else "", dotted(expr) or ""]
-    return any(word in part.lower().rsplit(".", 1)[-1] for part in names for word in EVAL_WORDS)
+    return any(says_eval(part.rsplit(".", 1)[-1]) for part in names if part)
 
 
 def _step_of(trace: Trace, node: cst.CSTNode | None) -> Step | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds
+from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -52,7 +52,8 @@ class CollectiveInRankBranch(Rule):
     module sharded by FSDP2's `fully_shard`) all-gathers parameter shards from every rank, so it
     hangs the same way. A DDP forward counts too: with `broadcast_buffers=True`
     (the default) DDP broadcasts the module's buffers from rank 0 at the start of a forward, so
-    evaluating the wrapped model on rank 0 alone hangs in the same way.
+    evaluating the wrapped model on rank 0 alone hangs in the same way (not when the wrapper was
+    built with `broadcast_buffers=False`: then the forward makes no collective, and it is silent).
 
     ## Example
     ```python
@@ -198,6 +199,22 @@ class CollectiveInRankBranch(Rule):
         ),
         Example(
             """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            model = DDP(Net().cuda(local_rank), device_ids=[local_rank], broadcast_buffers=False)
+            train(model)
+            if dist.get_rank() == 0:
+                with torch.no_grad():
+                    print(model(sample.cuda(local_rank)))  # no buffer broadcast: no collective
+            """
+        ),
+        Example(
+            """
             import horovod.torch as hvd
 
             model = Net()
@@ -322,7 +339,7 @@ def _events(ctx: LintContext, trace: Trace) -> Iterable[_Event]:
         if what is None:
             func = trace.value(call.func, step)
             if func is not None and func.kind == kinds.DDP:
-                what = DDP_FORWARD
+                what = DDP_FORWARD if _broadcasts_buffers(func) else None
             else:
                 what = _sharded_forward(ctx, trace, step, call)
             if what is None:
@@ -343,6 +360,15 @@ def _sharded_forward(ctx: LintContext, trace: Trace, step: Step, call: cst.Call)
     if sharding.in_place_sharded(trace, step, call.func, FSDP2) is not None:
         return FSDP2_FORWARD
     return None
+
+
+def _broadcasts_buffers(wrapper: kinds.Value) -> bool:
+    """`DDP(model, broadcast_buffers=False)` makes no collective in forward."""
+    if isinstance(wrapper.node, cst.Call):
+        flag = syntax.keyword(wrapper.node, "broadcast_buffers")
+        if isinstance(flag, cst.Name) and flag.value == "False":
+            return False
+    return True
 
 
 def _matched(event: _Event, events: list[_Event]) -> bool:

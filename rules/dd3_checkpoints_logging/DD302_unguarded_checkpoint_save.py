@@ -281,9 +281,9 @@ class UnguardedCheckpointSave(Rule):
                 continue
             if per_rank_path(trace, step, syntax.argument(call, 1, "f")):
                 continue
-            guards = ctx.rank_guards(trace, step)
-            if any(not guard.zero for guard in guards):
-                continue  # runs on the other ranks only: someone meant it
+            guards = ctx.rank_guards(trace, step, uncertain=True)
+            if any(not guard.zero or not guard.certain for guard in guards):
+                continue  # runs on the other ranks only (someone meant it), or cannot tell
             zero_guards = [guard for guard in guards if guard.zero]
             if zero_guards and not all(guard.local and not _tests_spawn_index(trace, step, guard.guard.test) for guard in zero_guards):
                 continue

@@ -7,8 +7,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
-from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis.context import LintContext, _assigned_names
+from distdoctor.lint.analysis.loops import training_loops
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -34,12 +35,23 @@ class PrintOnEveryRank(Rule):
     Silent when the message names the process (the rank, or an RPC worker name from
     `rpc.get_worker_info()`, also when passed through a logging helper's parameter or a local
     variable): per-process output is then deliberate, as in RPC parameter-server scripts where
-    ranks have different roles. Silent for `print` when the script replaces it for non-master
+    ranks have different roles; likewise when it reports progress through the process's own
+    shard (`len(train_sampler)` of a `DistributedSampler`, as Horovod's examples do). Only output
+    that changes from one iteration to the next is progress (it reads the loop counter, the loss,
+    anything the loop rebinds); a fixed line printed once is not. A loop that only runs training
+    runs (a hyperparameter search rebuilding the optimizer each
+    iteration) is no training loop: its per-trial summary is not progress output. Silent for
+    `print` when the script replaces it for non-master
     ranks: a `setup_for_distributed` / `builtins.print = ...` in the file, a call to an imported
     `init_distributed_mode` (the torchvision-references helper copied by DeiT, DETR, DINO and MAE,
     which calls `setup_for_distributed(rank == 0)`), or any `print(..., force=True)` (the builtin
     has no `force` keyword: it only runs because `print` was replaced). For `logging`, silent
-    when the script sets the logging level or handlers under a rank condition.
+    when the script sets the logging level or handlers under a rank condition or from the rank
+    (`logging.basicConfig(level=INFO if rank in [-1, 0] else WARN)`, `set_logging(rank)`), and
+    when the file never configures logging at all (then it is configured elsewhere, per rank or
+    not, or not at all, and `logger.info` prints nothing). Silent inside `except` blocks: an
+    error report from each rank says what went wrong on that rank.
+    Under a condition that may or may not restrict the ranks (`if debug or rank == 0:`), silent.
 
     ## Why is this bad?
     Every process prints the same progress line: with 8 GPUs per node and 4 nodes, 32 copies of
@@ -90,6 +102,7 @@ class PrintOnEveryRank(Rule):
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
 
+            logging.basicConfig(level=logging.INFO)  # the same level on every rank
             logger = logging.getLogger(__name__)
 
             def train_epoch(model, loader, optimizer, epoch):
@@ -152,6 +165,63 @@ class PrintOnEveryRank(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import logging
+            import torch.distributed as dist
+            from utils.logging import setup_logging  # configures the levels, per rank or not: unseen
+
+            logger = logging.getLogger(__name__)
+            dist.init_process_group("nccl")
+            setup_logging(args)
+            for step, batch in enumerate(loader):
+                try:
+                    loss = model(batch).sum()
+                    loss.backward()
+                    opt.step()
+                except RuntimeError:
+                    print(f"step {step}: batch of shape {batch.shape} failed")  # each rank's own error
+                    raise
+                logger.info("step %d loss %.4f", step, loss.item())
+            """
+        ),
+        Example(
+            """
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for epoch in range(args.epochs):
+                for x, y in loader:
+                    loss = model(x).sum()
+                    loss.backward()
+                    opt.step()
+                    if epoch == args.warmup_epochs:
+                        print("warm-up over: switching on the KL term")  # a fixed line, once
+                if best_loss < args.threshold:
+                    print(f"hit threshold {args.threshold}, stopping")
+                    break
+            """
+        ),
+        Example(
+            """
+            import horovod.torch as hvd
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            sampler = DistributedSampler(ds, num_replicas=hvd.size(), rank=hvd.rank())
+            loader = DataLoader(ds, batch_size=64, sampler=sampler)
+            for epoch in range(10):
+                sampler.set_epoch(epoch)
+                for i, (x, y) in enumerate(loader):
+                    loss = model(x).sum()
+                    loss.backward()
+                    opt.step()
+                    if i % 10 == 0:
+                        # this worker's progress through its own partition: differs per rank
+                        print(f"epoch {epoch} [{i * len(x)}/{len(sampler)}] loss {loss.item():.4f}")
+            """
+        ),
         Example(
             """
             import torch.distributed as dist
@@ -265,7 +335,9 @@ class PrintOnEveryRank(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.runs_multi_process or PRINT_OVERRIDE.search(ctx.source):
             return
-        logging_rank_aware = _logging_rank_aware(ctx)
+        # Logging that this file does not configure is configured elsewhere (per rank or not:
+        # unknown) or not at all (then `info` prints nothing): either way, say nothing.
+        logging_rank_aware = _logging_rank_aware(ctx) or not _configures_logging(ctx)
         print_replaced = _print_replaced(ctx)
         for trace in ctx.traces:
             if not ctx.is_entry(trace):
@@ -279,9 +351,15 @@ class PrintOnEveryRank(Rule):
                     continue
                 if not any(id(loop) in training_loops for loop in step.loops):
                     continue
-                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+                if _in_except_handler(ctx, step):
+                    continue  # error reports: each rank says what went wrong on it
+                if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     continue
                 if any(_names_process(ctx, trace, step, arg.value) for arg in call.args):
+                    continue
+                if _reports_own_shard(trace, step, call):
+                    continue
+                if not _reports_progress(trace, step, call, training_loops):
                     continue
                 yield Report(
                     call,
@@ -291,11 +369,8 @@ class PrintOnEveryRank(Rule):
 
 
 def _training_loops(ctx: LintContext, trace: Trace) -> set[int]:
-    loops: set[int] = set()
-    for step, call in trace.calls():
-        if ctx.is_backward(call):
-            loops.update(id(loop) for loop in step.loops)
-    return loops
+    # Not a hyperparameter search around them: its per-trial output is no training progress.
+    return training_loops(ctx, trace)
 
 
 def _output_kind(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> str | None:
@@ -323,6 +398,80 @@ def _mentions_rank(trace: Trace, step: Step, call: cst.Call) -> bool:
                 if value is not None and value.is_rank_like:
                     return True
                 if isinstance(node, cst.Name) and "rank" in node.value.lower():
+                    return True
+    return False
+
+
+LOGGING_SETUP = frozenset({"basicConfig", "setLevel", "addHandler", "dictConfig", "fileConfig"})
+
+
+def _configures_logging(ctx: LintContext) -> bool:
+    for call in ctx.nodes(cst.Call):
+        if (dotted(call.func) or "").rsplit(".", 1)[-1] in LOGGING_SETUP:
+            return True
+    return False
+
+
+def _in_except_handler(ctx: LintContext, step: Step) -> bool:
+    """Whether the step runs inside an `except` block, in its function or at the call site that
+    ran it."""
+    node = ctx.parent(step.node)
+    frame = step.frame
+    while node is not None:
+        if isinstance(node, cst.ExceptHandler):
+            return True
+        if isinstance(node, cst.FunctionDef):
+            while frame is not None and frame.function is not node:
+                frame = frame.parent
+            if frame is None or frame.call is None or frame.parent is None:
+                return False
+            node, frame = ctx.parent(frame.call), frame.parent
+            continue
+        node = ctx.parent(node)
+    return False
+
+
+def _reports_progress(trace: Trace, step: Step, call: cst.Call, training_loops: set[int]) -> bool:
+    """Whether the output changes from iteration to iteration: it reads a name the training loop
+    (re)binds (its counter, the loss), or runs in a helper the loop calls. A fixed line
+    (`print("Begin hard attention loss")`, `print(f"Hit threshold {args.threshold}")`) printed
+    once is no progress report."""
+    read = set()
+    for arg in call.args:
+        read |= _names_read(arg.value)
+    if not read:
+        return False
+    loops = [loop for loop in step.loops if id(loop) in training_loops]
+    loop_frames = {id(other.frame) for other in trace.steps if other.node in loops}
+    if id(step.frame) not in loop_frames:
+        return True  # a helper called in the loop: its arguments are per-iteration values
+    for other in trace.steps:
+        if other.frame is not step.frame or not any(other.in_loop(loop) or other.node is loop for loop in loops):
+            continue
+        if read & _assigned_names(other.node):
+            return True
+    return False
+
+
+def _names_read(expr: cst.BaseExpression) -> set[str]:
+    attribute_names: set[int] = set()
+    names: set[str] = set()
+    for node in syntax.walk(expr, skip=(cst.Lambda,)):
+        if isinstance(node, cst.Attribute):
+            attribute_names.add(id(node.attr))
+        elif isinstance(node, cst.Name) and id(node) not in attribute_names:
+            names.add(node.value)
+    return names
+
+
+def _reports_own_shard(trace: Trace, step: Step, call: cst.Call) -> bool:
+    """`print(..., len(train_sampler), ...)`: progress through this process's own partition of the
+    data (Horovod's examples), which differs per rank, so each rank's line says something."""
+    for arg in call.args:
+        for node in syntax.walk(arg.value, skip=(cst.Lambda,)):
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len" and node.args:
+                value = trace.value(node.args[0].value, step)
+                if value is not None and value.kind == kinds.SAMPLER:
                     return True
     return False
 
@@ -390,8 +539,10 @@ def _logging_rank_aware(ctx: LintContext) -> bool:
         for step, call in trace.calls():
             name = dotted(call.func) or ""
             last = name.rsplit(".", 1)[-1]
-            if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger"):
-                if ctx.rank_guards(trace, step) or _mentions_rank(trace, step, call):
+            # ... or a project helper that sets logging up with the rank (`set_logging(rank)`,
+            # `setup_logging(args.rank)`): its body is elsewhere, its arguments say enough.
+            if last in ("setLevel", "basicConfig", "disable", "addHandler", "setup_logger", "create_logger", "get_logger") or "logging" in last.lower() or "logger" in last.lower():
+                if ctx.rank_guards(trace, step, uncertain=True) or _mentions_rank(trace, step, call):
                     return True
                 if any(arg.keyword is not None and "rank" in arg.keyword.value for arg in call.args):
                     return True

@@ -308,7 +308,7 @@ class LoadWithoutMapLocation(Rule):
 def _rank_zero_only(ctx: LintContext, trace: Trace, step: Step) -> bool:
     """The load runs on (local) rank 0 only: one process reads the file, onto the GPU it owns
     (restore on rank 0, then broadcast), so nothing piles onto another rank's GPU."""
-    guards = ctx.rank_guards(trace, step)
+    guards = ctx.rank_guards(trace, step, uncertain=True)
     return bool(guards) and all(guard.zero for guard in guards)
 
 

@@ -16,7 +16,10 @@ from distdoctor.lint.rule import Example, Report, Rule
 LOG_METHODS = frozenset({"info", "warning", "log", "add_scalar", "add_scalars", "debug"})
 # Helpers that combine results across ranks (project utilities, torchmetrics' compute(),
 # accelerate's gather): when unknown, assume they reduce.
-REDUCING_NAME = re.compile(r"reduce|gather|sync|all_|compute|average|metric_average")
+REDUCING_NAME = re.compile(r"reduce|gather|sync|all_|compute|average|metric_average|(^|_)(dist|ddp|hvd|world|global)(_|$)")
+# Inside the loop, per batch: only names that say a cross-rank reduction (`reduce_tensor`,
+# `all_gather`, `dist_sum`), not `compute_score(...)` or `average(...)` of the batch.
+BATCH_REDUCING_NAME = re.compile(r"reduce|gather|all_|(^|_)(dist|ddp|hvd)(_|$)")
 
 
 class MetricNotReduced(Rule):
@@ -25,8 +28,9 @@ class MetricNotReduced(Rule):
     Flags a value computed in an evaluation loop (no `backward()`) over a `DataLoader` whose
     sampler is a `DistributedSampler`, then printed or logged under a rank-0 condition, when no
     collective (`all_reduce`, `all_gather`, `reduce`, `hvd.allreduce`, ...) and no helper whose
-    name says it reduces (`reduce_tensor`, `synchronize_between_processes`, `metric.compute()`,
-    `accelerator.gather`) runs between the loop and the report.
+    name says it reduces (`reduce_tensor`, `dist_sum`, `synchronize_between_processes`,
+    `metric.compute()`, `accelerator.gather`) runs in the loop (batch by batch) or between the
+    loop and the report.
 
     ## Why is this bad?
     A `DistributedSampler` gives each rank 1/N of the validation set. A metric computed from one
@@ -61,6 +65,23 @@ class MetricNotReduced(Rule):
     summary = "validation metric of one rank's shard reported without all-reduce"
 
     invalid = (
+        Example(
+            # A per-batch helper named `compute_...` reduces nothing across ranks.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def evaluate(model, dataset):
+                loader = DataLoader(dataset, sampler=DistributedSampler(dataset, shuffle=False))
+                score = 0.0
+                for x, y in loader:
+                    score += compute_score_with_logits(model(x), y).sum().item()
+                score = score / len(loader.dataset)
+                if dist.get_rank() == 0:
+                    print("eval score", score)  # expect: DD306
+            """
+        ),
         Example(
             """
             import torch
@@ -120,6 +141,27 @@ class MetricNotReduced(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+            from utils.dist import dist_sum
+
+            def evaluate(model, dataset):
+                loader = DataLoader(dataset, sampler=DistributedSampler(dataset, shuffle=False))
+                correct = torch.zeros(1, device="cuda")
+                seen = torch.zeros(1, device="cuda")
+                for x, y in loader:
+                    batch_correct = (model(x).argmax(1) == y).sum()
+                    dist.all_reduce(batch_correct)  # reduced batch by batch
+                    correct += batch_correct
+                    seen += y.numel()
+                seen = dist_sum(seen)  # a project helper that all-reduces
+                if dist.get_rank() == 0:
+                    print("val acc", (correct / seen).item())
+            """
+        ),
         Example(
             """
             import torch
@@ -211,6 +253,8 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
     for other in trace.steps[loop_step.index + 1 :]:
         if not other.in_loop(loop):
             break
+        if any(_reduces(ctx, call, BATCH_REDUCING_NAME) for call in syntax.own_calls(other.node)):
+            return  # reduced batch by batch inside the loop (`dist.all_reduce(correct)`)
         seeds |= {(other.frame.id, name) for name in _assigned_names(other.node)}
         for call in syntax.own_calls(other.node):
             # `losses.append(...)`, `meter.update(...)`: accumulators mutated in place.
@@ -240,11 +284,13 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
                 return
 
 
-def _reduces(ctx: LintContext, call: cst.Call) -> bool:
+def _reduces(ctx: LintContext, call: cst.Call, names: re.Pattern[str] = REDUCING_NAME) -> bool:
     if ctx.collective_name(call) is not None:
         return True
+    if (ctx.qualname(call.func) or "").startswith("torch."):
+        return False  # `torch.cuda.synchronize()` waits for the GPU; it reduces nothing
     name = dotted(call.func) or ""
-    return bool(REDUCING_NAME.search(name.rsplit(".", 1)[-1].lower()))
+    return bool(names.search(name.rsplit(".", 1)[-1].lower()))
 
 
 def _is_report(ctx: LintContext, call: cst.Call) -> bool:

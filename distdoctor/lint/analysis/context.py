@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, loops, syntax
 from distdoctor.lint.finding import Edit
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
@@ -33,6 +33,10 @@ class RankGuard:
     guard: Guard
     zero: bool  # the step runs on rank 0 only (True) or on every rank but 0 (False)
     local: bool  # the test is on the local rank (once per node), not the global rank
+    # False when the condition only may restrict the ranks: `if debug or rank == 0:` runs on
+    # every rank when `debug` is set. Rules that report a guard's presence (a collective under
+    # it) ignore such guards; rules that report its absence (an unguarded save) stay silent.
+    certain: bool = True
 
 
 # Calls every rank of the group must make (point-to-point send/recv are not among them): a rank
@@ -144,19 +148,33 @@ class LintContext:
         return False
 
     # --- rank guards -------------------------------------------------------------------------
-    def rank_guards(self, trace: Trace, step: Step) -> list[RankGuard]:
-        """The enclosing conditions of `step` that restrict it to rank 0 or to the other ranks."""
+    def rank_guards(self, trace: Trace, step: Step, uncertain: bool = False) -> list[RankGuard]:
+        """The enclosing conditions of `step` (and early `return`/`continue` before it) that
+        restrict it to rank 0 or to the other ranks. With `uncertain`, also the conditions that
+        may restrict it (`if debug or rank == 0:`): a rule that reports a missing guard stays
+        silent under them, one that reports a guard ignores them."""
         found = []
         for guard in step.guards:
-            value = evaluate.Evaluator(self.info, step.env, guard.frame, {}).eval(guard.test)
+            value = evaluate.Evaluator(self.info, step.env, guard.frame, guard.results).eval(guard.test)
             if value is None or value.kind != kinds.RANK_TEST:
                 continue
-            zero = bool(value.attrs.get("zero")) != guard.negated
-            found.append(RankGuard(guard, zero, _tests_local_rank(guard.test, self, step)))
+            ranks = value.attrs.get("false" if guard.negated else "true")
+            if ranks is None or (not ranks.certain and not uncertain):
+                continue
+            found.append(RankGuard(guard, ranks.zero, _tests_local_rank(guard.test, self, step), ranks.certain))
         return found
 
-    def under_rank_zero(self, trace: Trace, step: Step) -> bool:
-        return any(g.zero for g in self.rank_guards(trace, step))
+    def loop_roles(self, trace: Trace) -> dict[int, str]:
+        """id(loop) -> "training" / "evaluation" / "search" for the loops of `trace` (see
+        `analysis/loops.py`); computed once per trace."""
+        cache = self.__dict__.setdefault("_loop_roles", {})
+        if id(trace) not in cache:
+            cache[id(trace)] = loops.loop_roles(self, trace)
+        return cache[id(trace)]
+
+    def under_rank_zero(self, trace: Trace, step: Step, uncertain: bool = False) -> bool:
+        """Whether `step` runs on rank 0 only (with `uncertain`: perhaps on rank 0 only)."""
+        return any(g.zero for g in self.rank_guards(trace, step, uncertain))
 
     # --- collectives and gradients -----------------------------------------------------------
     def collective_name(self, call: cst.Call) -> str | None:

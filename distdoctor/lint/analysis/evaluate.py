@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import re
+
 import libcst as cst
 
 from distdoctor.lint.analysis import frameworks
@@ -17,6 +19,7 @@ from distdoctor.lint.analysis.kinds import (
     UNKNOWN, DDP, MODULE, SAMPLER, LOADER, OPTIMIZER, HVD_OPTIMIZER, SCALER,
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, RANK_TEST, INSTANCE, TUPLE, CONST,
     PARAMS, RANK_NAMES, LOCAL_RANK_NAMES, MAIN_PROCESS_FUNCS, Value, env_value,
+    PROCESS_COUNT_TEST, NODE_RANK, NODE_RANK_NAMES, join, meet, rank_test,
 )
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 
@@ -73,20 +76,20 @@ class Evaluator:
         if node.value in ("True", "False", "None"):
             return self._const(node)
         value = lookup(self.env, node.value, self.frame)
-        if value is not None:
+        if value is not None and value.kind != UNKNOWN:
             return value
-        if node.value in RANK_NAMES:
-            return Value(RANK, node, origin="name", name=node.value)
-        if node.value in LOCAL_RANK_NAMES:
-            return Value(LOCAL_RANK, node, origin="name", name=node.value)
-        return None
+        # Bound to something unknown (`world_size, rank = init_distributed()` from another module):
+        # the name still says what it holds.
+        return _by_name(node.value, node, "name") or value
 
     def _eval_Attribute(self, node: cst.Attribute) -> Value | None:
         text = dotted(node)
+        unknown = None
         if text is not None:
             value = lookup(self.env, text, self.frame)
-            if value is not None:
+            if value is not None and value.kind != UNKNOWN:
                 return value
+            unknown = value
         attr = node.attr.value
         base = self.eval(node.value)
         if base is not None:
@@ -101,13 +104,9 @@ class Evaluator:
                     return value
         if self.ctx.qualname(node) is not None:
             return None
-        if attr in RANK_NAMES:
-            return Value(RANK, node, origin="attr", name=text or attr)
-        if attr in LOCAL_RANK_NAMES:
-            return Value(LOCAL_RANK, node, origin="attr", name=text or attr)
         if attr in MAIN_PROCESS_FUNCS:
-            return Value(RANK_TEST, node, attrs={"zero": True}, origin="attr")
-        return None
+            return rank_test(node, True, origin="attr")
+        return _by_name(attr, node, "attr", text) or unknown
 
     # literals --------------------------------------------------------------------------------
     def _const(self, node: cst.BaseExpression) -> Value | None:
@@ -119,27 +118,67 @@ class Evaluator:
     def _eval_UnaryOperation(self, node: cst.UnaryOperation) -> Value | None:
         if isinstance(node.operator, cst.Not):
             inner = self.eval(node.expression)
-            if inner is not None and inner.kind == RANK_TEST:
-                return replace(inner, node=node, attrs={**inner.attrs, "zero": not inner.attrs.get("zero")})
+            if inner is None:
+                return None
+            if inner.kind == RANK_TEST:
+                return replace(inner, node=node, attrs={"true": inner.attrs.get("false"), "false": inner.attrs.get("true")})
+            if inner.kind == PROCESS_COUNT_TEST:
+                return replace(inner, node=node, attrs={"multi": not inner.attrs.get("multi")})
+            if inner.is_rank_like:
+                return rank_test(node, True, origin="not")  # `not rank`: rank 0
             return None
         return self._const(node)
 
     def _eval_Tuple(self, node: cst.Tuple) -> Value | None:
-        return Value(TUPLE, node, items=tuple(self.eval(el.value) for el in node.elements))
+        items: list[Value | None] = []
+        for element in node.elements:
+            value = self.eval(element.value)
+            if isinstance(element, cst.StarredElement):
+                # `a, *b`: the starred items are spliced in; of unknown length, the positions
+                # after it are unknown.
+                if value is None or value.kind != TUPLE or value.attrs.get("open"):
+                    return Value(TUPLE, node, items=tuple(items), attrs={"open": True})
+                items.extend(value.items)
+            else:
+                items.append(value)
+        return Value(TUPLE, node, items=tuple(items))
 
     _eval_List = _eval_Tuple
 
     def _eval_Comparison(self, node: cst.Comparison) -> Value | None:
+        multi = process_count_comparison(node, self)
+        if multi is not None:
+            return Value(PROCESS_COUNT_TEST, node, attrs={"multi": multi})
         zero = rank_comparison(node, self)
-        return None if zero is None else Value(RANK_TEST, node, attrs={"zero": zero})
+        return None if zero is None else rank_test(node, zero)
 
     def _eval_BooleanOperation(self, node: cst.BooleanOperation) -> Value | None:
-        # `not distributed or rank == 0`: true on rank 0 (and everywhere when not distributed).
+        """Which ranks `a and b` / `a or b` lets through, when it is true and when it is false.
+        A term on the number of processes is decided for a multi-process run: `not distributed
+        or rank == 0` is `rank == 0`. A term that says nothing of ranks leaves the other side
+        only possible: `debug or rank == 0` may hold on every rank, and `if not use_fsdp_eval and
+        not is_rank0: return` lets every rank through when `use_fsdp_eval` is true."""
+        is_and = isinstance(node.operator, cst.And)
+        sides: list[Value | None] = []
         for side in (node.left, node.right):
             value = self.eval(side)
-            if value is not None and value.kind == RANK_TEST:
-                return replace(value, node=node)
-        return None
+            if value is not None and value.kind == PROCESS_COUNT_TEST:
+                if bool(value.attrs.get("multi")) == is_and:
+                    continue  # `distributed and X`, `not distributed or X`: X decides
+                return None  # `distributed or X` always holds, `not distributed and X` never
+            sides.append(value if value is not None and value.kind == RANK_TEST else None)
+        if not sides:
+            return None
+        if len(sides) == 1:
+            return None if sides[0] is None else replace(sides[0], node=node)
+        first, second = ({} if v is None else v.attrs for v in sides)
+        if is_and:
+            true, false = meet(first.get("true"), second.get("true")), join(first.get("false"), second.get("false"))
+        else:
+            true, false = join(first.get("true"), second.get("true")), meet(first.get("false"), second.get("false"))
+        if true is None and false is None:
+            return None
+        return Value(RANK_TEST, node, attrs={"true": true, "false": false})
 
     def _eval_BinaryOperation(self, node: cst.BinaryOperation) -> Value | None:
         # `args.rank * ngpus + gpu` is a global rank; `rank % ngpus` a local one.
@@ -149,6 +188,12 @@ class Evaluator:
             return Value(LOCAL_RANK, node, origin="modulo")
         if isinstance(node.operator, (cst.Add, cst.Multiply)):
             kinds = {v.kind for v in (left, right) if v is not None}
+            if NODE_RANK in kinds and isinstance(node.operator, cst.Multiply):
+                return Value(NODE_RANK, node, origin="arith")  # `node_rank * gpus`, plus a local rank below
+            if NODE_RANK in kinds and (LOCAL_RANK in kinds or isinstance(node.operator, cst.Add) and any(
+                v is not None and v.kind == NODE_RANK and v.origin == "arith" for v in (left, right)
+            )):
+                return Value(RANK, node, origin="arith")  # `node_rank * gpus + gpu`
             if RANK in kinds or (LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _node_offset(node, left, right)):
                 return Value(RANK, node, origin="arith")
         if isinstance(node.operator, (cst.Multiply, cst.Divide, cst.FloorDivide)):
@@ -200,7 +245,7 @@ class Evaluator:
             if method == "get" and environ_name(node, self.ctx) is not None:
                 return env_value(environ_name(node, self.ctx) or "", node)
             if method in MAIN_PROCESS_FUNCS:
-                return Value(RANK_TEST, node, attrs={"zero": True}, origin="call")
+                return rank_test(node, True, origin="call")
             if method in ("get_rank", "rank") and receiver is None:
                 return Value(RANK, node, origin="call")
             if method in ("get_local_rank", "local_rank") and receiver is None:
@@ -208,7 +253,9 @@ class Evaluator:
             if method in ("get_world_size", "size") and receiver is None and dotted(func.value) in ("dist", "utils", "misc", "comm"):
                 return Value(WORLD_SIZE, node, origin="call")
         if isinstance(func, cst.Name) and func.value in MAIN_PROCESS_FUNCS:
-            return Value(RANK_TEST, node, attrs={"zero": True}, origin="call")
+            return rank_test(node, True, origin="call")
+        if isinstance(func, cst.Name) and func.value in _MULTI_PROCESS_CALLS:
+            return Value(PROCESS_COUNT_TEST, node, origin="call", attrs={"multi": True})
         if isinstance(func, cst.Name) and func.value in ("get_rank", "get_global_rank"):
             return Value(RANK, node, origin="call")
         if isinstance(func, cst.Name) and func.value == "get_local_rank":
@@ -264,6 +311,8 @@ class Evaluator:
                 return Value(WORLD_SIZE, node, origin="hvd")
             if api == "local_size":
                 return Value(LOCAL_SIZE, node, origin="hvd")
+        if qual.rsplit(".", 1)[-1] in _MULTI_PROCESS_CALLS and (qual.startswith("torch.distributed") or not qual.startswith(("torch.", "horovod."))):
+            return Value(PROCESS_COUNT_TEST, node, origin="call", attrs={"multi": True})
         if qual in ("torch.distributed.get_rank", "torch.distributed.get_global_rank"):
             return Value(RANK, node, origin="dist")
         if qual == "torch.distributed.get_world_size":
@@ -280,7 +329,7 @@ class Evaluator:
             # `utils.get_rank()`): the usual names mean what they say.
             last = qual.rsplit(".", 1)[-1]
             if last in MAIN_PROCESS_FUNCS:
-                return Value(RANK_TEST, node, attrs={"zero": True}, origin="call")
+                return rank_test(node, True, origin="call")
             if last in ("get_rank", "get_global_rank"):
                 return Value(RANK, node, origin="call")
             if last == "get_local_rank":
@@ -293,6 +342,70 @@ class Evaluator:
         body = self.eval(node.body)
         orelse = self.eval(node.orelse)
         return body if body is not None and body.kind != CONST else orelse
+
+
+# Names of flags that hold when the job runs several processes: `args.distributed`, `use_ddp`,
+# `is_distributed`, `multi_gpu`, `args.multiprocessing_distributed`.
+_MULTI_PROCESS_NAME = re.compile(
+    r"^(is_|use_|using_|enable_|with_|run_)?(distributed|ddp|multi_?gpu|multiprocessing_distributed|multi_?node|"
+    r"dist_?training|data_?parallel|horovod)(_mode|_training|_run|_enabled)?$"
+)
+# Calls that tell whether a process group is running: `dist.is_initialized()`, DETR's helper.
+_MULTI_PROCESS_CALLS = frozenset({"is_initialized", "is_dist_avail_and_initialized", "is_distributed", "is_dist_initialized"})
+_WORLD_SIZE_NAMES = frozenset({"world_size", "num_processes", "nprocs", "num_replicas", "n_procs", "ddp_world_size"})
+
+
+def _by_name(name: str, node: cst.CSTNode, origin: str, text: str | None = None) -> Value | None:
+    """What a name says it holds when nothing bound it to a known value."""
+    if name in RANK_NAMES:
+        return Value(RANK, node, origin=origin, name=text or name)
+    if name in LOCAL_RANK_NAMES:
+        return Value(LOCAL_RANK, node, origin=origin, name=text or name)
+    if name in NODE_RANK_NAMES:
+        return Value(NODE_RANK, node, origin=origin, name=text or name)
+    if _MULTI_PROCESS_NAME.match(name.lower()):
+        return Value(PROCESS_COUNT_TEST, node, origin=origin, attrs={"multi": True}, name=text or name)
+    return None
+
+
+def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
+    """True for a comparison that holds in a multi-process run (`world_size > 1`,
+    `local_rank != -1`), False for one that holds in a single-process run (`world_size == 1`,
+    `args.local_rank == -1`), None for anything else."""
+    if len(node.comparisons) != 1:
+        return None
+    target = node.comparisons[0]
+    left, right, op = node.left, target.comparator, target.operator
+    known, number = const_value(right)
+    if not known:
+        known, number = const_value(left)
+        if not known:
+            return None
+        left, right = right, left
+        flipped = {cst.LessThan: cst.GreaterThan, cst.GreaterThan: cst.LessThan, cst.LessThanEqual: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.LessThanEqual}
+        op = flipped.get(type(op), type(op))()
+    if isinstance(number, bool) or not isinstance(number, int):
+        return None
+    value = ev.eval(left)
+    text = (dotted(left) or "").rsplit(".", 1)[-1]
+    sized = (value is not None and value.kind == WORLD_SIZE) or text in _WORLD_SIZE_NAMES
+    if sized and number in (1, 2):
+        if number == 1 and isinstance(op, (cst.Equal, cst.LessThanEqual, cst.Is)):
+            return False
+        if number == 2 and isinstance(op, cst.LessThan):
+            return False
+        if number == 1 and isinstance(op, (cst.NotEqual, cst.GreaterThan, cst.IsNot)):
+            return True
+        if number == 2 and isinstance(op, cst.GreaterThanEqual):
+            return True
+        return None
+    if value is not None and value.is_rank_like and number == -1:
+        # Launchers give every process a rank; -1 is the single-process default of `--local_rank`.
+        if isinstance(op, (cst.Equal, cst.Is)):
+            return False
+        if isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)):
+            return True
+    return None
 
 
 def _node_offset(node: cst.BinaryOperation, left: Value | None, right: Value | None) -> bool:
@@ -324,9 +437,13 @@ def environ_name(node: cst.CSTNode, ctx: ModuleInfo) -> str | None:
     return None
 
 
+_FLIPPED = {cst.LessThan: cst.GreaterThan, cst.GreaterThan: cst.LessThan, cst.LessThanEqual: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.LessThanEqual}
+
+
 def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
     """True if the comparison holds on rank 0 only, False if on all ranks but 0, None if it is
-    no comparison of a rank with 0."""
+    no comparison of a rank with 0: `rank == 0`, `0 == rank`, `rank in [-1, 0]`, `rank <= 0`,
+    `rank < 1`, `rank != 0`, `rank > 0`, `rank >= 1`, `rank not in (-1, 0)`."""
     if len(node.comparisons) != 1:
         return None
     target = node.comparisons[0]
@@ -334,6 +451,7 @@ def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
     lv, rv = ev.eval(left), ev.eval(right)
     if rv is not None and rv.is_rank_like and (lv is None or not lv.is_rank_like):
         left, right, lv, rv = right, left, rv, lv
+        op = _FLIPPED.get(type(op), type(op))()
     if lv is None or not lv.is_rank_like:
         return None
     if isinstance(op, (cst.In, cst.NotIn)):
@@ -343,14 +461,16 @@ def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
                 return isinstance(op, cst.In)
         return None
     known, value = const_value(right)
-    if not known or value not in (0, -1):
+    if not known or isinstance(value, bool) or value not in (0, 1):
         return None
-    if isinstance(op, (cst.Equal, cst.Is)) and value == 0:
-        return True
-    if isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)) and value == 0:
-        return False
-    if isinstance(op, cst.LessThanEqual) and value == 0:
-        return True
-    if isinstance(op, cst.LessThan) and value == 1:
-        return True
+    if value == 0:
+        if isinstance(op, (cst.Equal, cst.Is, cst.LessThanEqual)):
+            return True
+        if isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)):
+            return False
+    else:
+        if isinstance(op, cst.LessThan):
+            return True
+        if isinstance(op, cst.GreaterThanEqual):
+            return False
     return None

@@ -102,5 +102,14 @@ class _SpawnFinder:
         if qual in ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes") or (
             name == "spawn" and qual.startswith("torch")
         ):
-            if node.args and isinstance(node.args[0].value, cst.Name):
-                self.info.spawn_targets[node.args[0].value.value] = "spawn"
+            target = spawned_function(node)
+            if target is not None:
+                self.info.spawn_targets[target] = "spawn"
+
+
+def spawned_function(call: cst.Call) -> str | None:
+    """The name of the function `mp.spawn(fn, ...)` / `mp.spawn(fn=fn, ...)` starts."""
+    for index, arg in enumerate(call.args):
+        if (arg.keyword is None and index == 0 and not arg.star) or (arg.keyword is not None and arg.keyword.value == "fn"):
+            return arg.value.value if isinstance(arg.value, cst.Name) else None
+    return None

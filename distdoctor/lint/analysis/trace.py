@@ -23,7 +23,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis.evaluate import Evaluator, env_key, lookup
 from distdoctor.lint.analysis.names import dotted
-from distdoctor.lint.analysis.scope import Frame, ModuleInfo
+from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
 from distdoctor.lint.analysis.syntax import keyword, own_calls
 from distdoctor.lint.analysis.kinds import (
     UNKNOWN, LOCAL_RANK, INSTANCE, TUPLE, CONST, Value,
@@ -37,6 +37,8 @@ class Guard:
     test: cst.BaseExpression
     negated: bool
     frame: Frame
+    # What the test's calls to functions of the module returned: `if master_process():`.
+    results: Mapping[int, Value | None] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +98,7 @@ class _Builder:
         self.env: dict[Any, Value] = {}
         self.frame_ids = itertools.count()
         self.inlined: set[int] = set()  # id() of function defs entered
+        self.test_results: dict[int, dict[int, Value | None]] = {}  # id(if) -> its test's call results
 
     # statements ------------------------------------------------------------------------------
     def run_block(
@@ -113,7 +116,7 @@ class _Builder:
             self.run_statement(stmt, frame, loops, guards, (owner, index))
             # `if rank != 0: return` guards everything after it in the block.
             if isinstance(stmt, cst.If) and stmt.orelse is None and _ends_block(stmt.body.body):
-                guards = (*guards, Guard(stmt.test, True, frame))
+                guards = (*guards, Guard(stmt.test, True, frame, self.test_results.get(id(stmt), {})))
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
         if isinstance(stmt, cst.SimpleStatementLine):
@@ -124,11 +127,13 @@ class _Builder:
             if key is not None and frame.depth > 0:
                 self.env[key] = Value("def", stmt)
         elif isinstance(stmt, cst.If):
-            self.emit(stmt, stmt, frame, loops, guards, block)
+            results = self.inline_calls(stmt, frame, loops, guards)
+            self.test_results[id(stmt)] = results
+            self.emit(stmt, stmt, frame, loops, guards, block, results)
             before = self.env
-            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame)))
+            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame, results)))
             orelse = stmt.orelse
-            negated = (*guards, Guard(stmt.test, True, frame))
+            negated = (*guards, Guard(stmt.test, True, frame, results))
             if orelse is not None:
                 after_body = self.env
                 self.env = before  # the other branch starts from the state before the `if`
@@ -233,8 +238,8 @@ class _Builder:
         func = call.func
         qual = self.ctx.qualname(func)
         if qual is not None:
-            if qual.endswith("multiprocessing.spawn") and call.args and isinstance(call.args[0].value, cst.Name):
-                worker = self.ctx.functions.get(call.args[0].value.value)
+            if qual.endswith("multiprocessing.spawn") and (spawned := spawned_function(call)) is not None:
+                worker = self.ctx.functions.get(spawned)
                 if worker is not None:
                     return worker, None, None, "spawn"
             return None
@@ -277,7 +282,10 @@ class _Builder:
         if self_value is not None and function.name.value == "__init__":
             return self_value
         returns = [value for value in frame.returns if value is not None and value.kind != UNKNOWN]
-        return returns[-1] if returns else None
+        # `if not dist.is_initialized(): return True` then `return dist.get_rank() == 0`: the
+        # value that says more than a constant wins, wherever it stands.
+        informative = [value for value in returns if value.kind != CONST]
+        return (informative or returns)[-1] if returns else None
 
     def bind_params(self, function, call, frame, caller, results, skip_first) -> None:
         params = list(function.params.params)
@@ -286,6 +294,8 @@ class _Builder:
             if params:
                 self.env = {**self.env, ("local", frame.id, params[0].name.value): Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)}
             extra = keyword(call, "args")
+            if extra is None and len(call.args) > 1 and call.args[0].keyword is None and call.args[1].keyword is None:
+                extra = call.args[1].value  # mp.spawn(fn, (a, b), nprocs=n)
             passed = []
             if isinstance(extra, cst.Tuple):
                 passed = [self.evaluate(el.value, caller, results) for el in extra.elements]
@@ -296,14 +306,20 @@ class _Builder:
         if skip_first and params:
             params = params[1:]
         positional = [arg for arg in call.args if arg.keyword is None and not arg.star]
-        for param, arg in zip(params, positional):
+        for index, (param, arg) in enumerate(zip(params, positional)):
             value = self.evaluate(arg.value, caller, results)
+            if index == 0 and not skip_first and function.name.value in self.ctx.spawn_targets and (value is None or not value.is_rank_like):
+                # Every call site counts: `train(0, args)`, the single-process fallback beside
+                # `mp.spawn(train, ...)`, does not make the worker's index the constant 0.
+                value = Value(LOCAL_RANK, param, origin="spawn", name=param.name.value)
             if value is not None:
                 self.env = {**self.env, ("local", frame.id, param.name.value): value}
         by_name = {param.name.value for param in [*function.params.params, *function.params.kwonly_params]}
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value in by_name:
                 value = self.evaluate(arg.value, caller, results)
+                if params and arg.keyword.value == params[0].name.value and not skip_first and function.name.value in self.ctx.spawn_targets and (value is None or not value.is_rank_like):
+                    value = Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)  # `fn(rank=0, ...)`
                 if value is not None:
                     self.env = {**self.env, ("local", frame.id, arg.keyword.value): value}
 
