@@ -45,6 +45,9 @@ from distdoctor.lint.engine import SKIPPED_DIRS, lint, lint_source, read_source
 from distdoctor.lint.finding import Finding
 from distdoctor.lint.rule import all_rules
 
+ROOT = Path(__file__).resolve().parents[1]
+PRECISION_FILE = ROOT / "distdoctor" / "data" / "precision.json"
+
 
 @dataclass(frozen=True)
 class FileOutcome:
@@ -196,14 +199,20 @@ def _line_count(outcomes: list[FileOutcome]) -> int:
 # The judged corpus
 
 
-def lint_corpus(cache: Path, entries: list[corpus_data.Entry], jobs: int) -> tuple[list[dict], list[corpus_data.Entry], list[str]]:
-    """Default-on findings of every manifest file present in the cache, keyed by repo/commit/path."""
+def lint_corpus(
+    cache: Path, entries: list[corpus_data.Entry], jobs: int, judged_codes: tuple[str, ...] = ()
+) -> tuple[list[dict], list[corpus_data.Entry], list[str]]:
+    """Default-on findings of every manifest file present in the cache, keyed by repo/commit/path,
+    plus the findings of rules that were judged once and switched off since (`judged_codes`): a rule
+    turned off for its precision is still measured, so it can earn its default back."""
     present = [e for e in entries if corpus_data.cache_path(cache, e.repo, e.commit, e.path).is_file()]
     absent = [e for e in entries if e not in present]
     by_path = {str(corpus_data.cache_path(cache, e.repo, e.commit, e.path)): e for e in present}
     if not by_path:
         return [], absent, []
-    result = lint(list(by_path), Config(cache=False), jobs=jobs)
+    known = {rule.code for rule in all_rules()}
+    config = Config(cache=False, extend_select=tuple(code for code in judged_codes if code in known))
+    result = lint(list(by_path), config, jobs=jobs)
     findings = []
     for f in result.findings:
         entry = by_path.get(f.path)
@@ -280,7 +289,7 @@ def main_corpus(args) -> int:
     if args.fetch:
         fetched, failed = corpus_data.fetch(cache, entries)
         print(f"corpus: fetched {fetched} files into {cache}, {failed} could not be fetched", file=sys.stderr)
-    findings, absent, errors = lint_corpus(cache, entries, args.jobs)
+    findings, absent, errors = lint_corpus(cache, entries, args.jobs, tuple(sorted({j.code for j in judgments})))
     present = len(entries) - len(absent)
     if present == 0:
         hint = "nothing could be fetched (see above)" if args.fetch else "run with --fetch"
@@ -294,7 +303,28 @@ def main_corpus(args) -> int:
         corpus_json(scores, findings, present, len(absent), sys.stdout)
     else:
         report_corpus(scores, findings, present, len(absent), len(misses), sys.stdout)
+    if args.write_precision:
+        if scores["ALL"].unjudged:
+            print(f"corpus: {scores['ALL'].unjudged} findings are not judged yet: judge them before writing "
+                  f"the measured precision", file=sys.stderr)
+            return 1
+        repositories = len({e.repo for e in entries if e not in absent})
+        PRECISION_FILE.write_text(precision_json(scores, present, repositories))
+        print(f"corpus: wrote {PRECISION_FILE.relative_to(ROOT)}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def precision_json(scores: dict, files: int, repositories: int) -> str:
+    """What `distdoctor rules` and `explain` print as each rule's measured precision."""
+    payload = {
+        "corpus": {"files": files, "repositories": repositories},
+        "rules": {
+            code: {"findings": s.tp + s.fp, "true": s.tp, "false": s.fp}
+            for code, s in sorted(scores.items())
+            if code != "ALL"
+        },
+    }
+    return json.dumps(payload, indent=1, sort_keys=True) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch", action="store_true", help="materialise missing corpus files first (implies --corpus)")
     parser.add_argument("--cache", help=f"corpus cache folder (default: ${corpus_data.ENV_CACHE} or {corpus_data.DEFAULT_CACHE})")
     parser.add_argument("--corpus-dir", help="folder of the *.manifest.jsonl / *.judgments.jsonl files (default: benchmarks/corpus)")
+    parser.add_argument("--write-precision", action="store_true",
+                        help="with --corpus: write each rule's measured precision to distdoctor/data/precision.json "
+                             "(refused while a finding is unjudged)")
     args = parser.parse_args(argv)
     if args.corpus or args.fetch:
         if args.paths:

@@ -184,8 +184,10 @@ def rules_command(output_format):
     from distdoctor.lint.rule import all_rules
 
     if output_format == "json":
+        measured = report.measured_precision().get("rules", {})
         click.echo(json.dumps([
-            {"code": r.code, "name": r.name, "severity": r.severity, "default_on": r.default_on, "fixable": r.fixable, "summary": r.summary}
+            {"code": r.code, "name": r.name, "severity": r.severity, "default_on": r.default_on, "fixable": r.fixable,
+             "summary": r.summary, "measured": measured.get(r.code)}
             for r in all_rules()
         ], indent=2))
     else:

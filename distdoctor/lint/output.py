@@ -177,15 +177,50 @@ def format_sarif(findings: Sequence[Finding]) -> str:
     return json.dumps(document, indent=2)
 
 
+def measured_precision() -> dict[str, Any]:
+    """Each rule's precision measured on the real-world corpus (`benchmarks/realworld.py --corpus
+    --write-precision` writes it from the judged findings); {} when the file is not installed."""
+    try:
+        return json.loads((Path(__file__).resolve().parents[1] / "data" / "precision.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _precision_cell(code: str, measured: dict[str, Any]) -> str:
+    row = measured.get("rules", {}).get(code)
+    if not row or not row["findings"]:
+        return "-"
+    return f"{row['true'] / row['findings']:.2f} ({row['findings']})"
+
+
 def format_rules_table(rules: Sequence[Rule]) -> str:
+    measured = measured_precision()
     width = max([34, *(len(rule.name) for rule in rules)])  # DD505's name is longer than the rest
-    rows = [f"{'code':<6}  {'name':<{width}}  {'severity':<8}  {'default':<7}  fix  summary"]
+    rows = [f"{'code':<6}  {'name':<{width}}  {'severity':<8}  {'default':<7}  fix  {'precision':<11}  summary"]
     for rule in rules:
         rows.append(
             f"{rule.code:<6}  {rule.name:<{width}}  {rule.severity:<8}  {'on' if rule.default_on else 'off':<7}  "
-            f"{'yes' if rule.fixable else '-':<3}  {rule.summary}"
+            f"{'yes' if rule.fixable else '-':<3}  {_precision_cell(rule.code, measured):<11}  {rule.summary}"
         )
+    corpus = measured.get("corpus")
+    if corpus:
+        rows.append("")
+        rows.append(f"precision: true findings / findings (count) on {corpus['files']} real training files from "
+                    f"{corpus['repositories']} public repositories, each finding judged by reading the code; "
+                    "- : no finding there.")
     return "\n".join(rows)
+
+
+def _precision_sentence(code: str, measured: dict[str, Any]) -> str:
+    corpus = measured.get("corpus")
+    if not corpus:
+        return ""
+    where = f"{corpus['files']} real training files from {corpus['repositories']} public repositories"
+    row = measured.get("rules", {}).get(code)
+    if not row or not row["findings"]:
+        return f"Measured precision: no finding on {where}."
+    return (f"Measured precision: {row['true']} of {row['findings']} findings true "
+            f"({row['true'] / row['findings']:.2f}) on {where}, each judged by reading the code.")
 
 
 def format_explain(rule: Rule) -> str:
@@ -194,6 +229,9 @@ def format_explain(rule: Rule) -> str:
         "",
         f"Severity: {rule.severity}. {'On by default' if rule.default_on else 'Off by default: select it with --extend-select ' + rule.code}."
         f" {'Autofix: yes.' if rule.fixable else 'Autofix: no.'}",
-        "",
     ]
+    sentence = _precision_sentence(rule.code, measured_precision())
+    if sentence:
+        header.append(sentence)
+    header.append("")
     return "\n".join(header) + rule.documentation() + "\n"
