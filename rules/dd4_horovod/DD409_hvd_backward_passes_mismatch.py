@@ -9,6 +9,8 @@ import libcst as cst
 
 from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 
@@ -191,7 +193,7 @@ class HorovodBackwardPassesMismatch(Rule):
                 if not step.loops:
                     continue  # a step function traced on its own; its callers' traces count it
                 entry = periods.setdefault(id(optimizer.node), (optimizer.node, set()))
-                entry[1].add(ctx.backward_passes_per_step(trace, step))
+                entry[1].add(backward_passes_per_step(ctx, trace, step))
         for wrap, found in periods.values():
             if len(found) != 1 or None in found:
                 continue  # several loops, or one the linter cannot count: stay silent
@@ -222,3 +224,100 @@ def _declared_passes(ctx: LintContext, wrap: cst.Call) -> tuple[int | None, cst.
                     return value.attrs["value"], given
                 return None, given
     return None, given
+
+
+def backward_passes_per_step(ctx: LintContext, trace: Trace, step: Step) -> int | None:
+    """How many backward passes run for each execution of the optimizer step at `step`,
+    when statically known: backward and step once per iteration of the same loop (1), the
+    step under `if (i + 1) % k == 0` (k), the backward inside `for _ in range(k)` nested in
+    the step's loop (k), several unconditional backward calls per iteration (their number),
+    or `if amp: scaler.scale(loss).backward() else: loss.backward()` (1). None otherwise."""
+    if not step.loops:
+        return None
+    loop = step.loops[-1]
+    step_guards = {(id(g.test), g.negated) for g in step.guards}
+    passes: list[tuple[int, tuple[tuple[int, bool], ...], set[tuple[int, bool]]]] = []
+    updates = 0
+    for other in trace.steps:
+        if not other.in_loop(loop):
+            continue
+        for call in syntax.own_calls(other.node):
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "step" and ctx.stepped_optimizer(trace, other, call) is not None:
+                updates += 1
+            if not ctx.is_backward(call):
+                continue
+            inner = other.loops[other.loops.index(loop) + 1 :]
+            count = 1
+            for nested in inner:
+                times = _static_range_length(trace, other, nested)
+                if times is None or step.in_loop(nested):
+                    return None
+                count *= times
+            extra = tuple((id(g.test), g.negated) for g in other.guards if (id(g.test), g.negated) not in step_guards)
+            passes.append((count, extra, {(id(g.test), g.negated) for g in other.guards}))
+    if not passes or updates != 1:
+        return None
+    unconditional = [count for count, extra, _ in passes if not extra]
+    conditional = [(count, extra) for count, extra, _ in passes if extra]
+    if conditional:
+        # One if/else pair choosing between two spellings of the same backward pass.
+        if unconditional or len(conditional) != 2:
+            return None
+        (c1, e1), (c2, e2) = conditional
+        if not (len(e1) == len(e2) == 1 and e1[0][0] == e2[0][0] and e1[0][1] != e2[0][1] and c1 == c2):
+            return None
+        per_iteration = c1
+    else:
+        per_iteration = sum(unconditional)
+    # Conditions on the step that not every backward pass shares: `if (i + 1) % k == 0`.
+    shared = set.intersection(*(guards for _, _, guards in passes))
+    step_only = [g for g in step.guards if (id(g.test), g.negated) not in shared]
+    if not step_only:
+        return per_iteration
+    if len(step_only) != 1 or step_only[0].negated:
+        return None
+    period = _modulo_period(trace, step, step_only[0].test)
+    return None if period is None else period * per_iteration
+
+
+def _static_int(trace: Trace, step: Step, expr: cst.BaseExpression) -> int | None:
+    value = trace.value(expr, step)
+    if value is None or value.kind != kinds.CONST:
+        return None
+    number = value.attrs.get("value")
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
+def _static_range_length(trace: Trace, step: Step, loop: cst.CSTNode) -> int | None:
+    """The number of iterations of `for _ in range(k)` / `range(a, b)` with known bounds."""
+    if not (isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) and dotted(loop.iter.func) == "range"):
+        return None
+    args = [arg.value for arg in loop.iter.args if arg.keyword is None and not arg.star]
+    if not 1 <= len(args) <= 2 or len(args) != len(loop.iter.args):
+        return None
+    bounds = [_static_int(trace, step, arg) for arg in args]
+    if any(bound is None for bound in bounds):
+        return None
+    start, stop = (0, bounds[0]) if len(bounds) == 1 else (bounds[0], bounds[1])
+    return max(0, stop - start)
+
+
+def _modulo_period(trace: Trace, step: Step, test: cst.BaseExpression) -> int | None:
+    """k for `(i + 1) % k == 0`, `not i % k`, `... % k == 0 or last_batch`, with k known."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or):
+        periods = [p for p in (_modulo_period(trace, step, test.left), _modulo_period(trace, step, test.right)) if p is not None]
+        return periods[0] if len(periods) == 1 else None
+    modulo: cst.BaseExpression | None = None
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        modulo = test.expression
+    elif isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal):
+        # `(i + 1) % k == 0`, `i % k == k - 1`: once every k iterations, whatever the remainder.
+        left, right = test.left, test.comparisons[0].comparator
+        if _static_int(trace, step, left) is not None:
+            left, right = right, left
+        if _static_int(trace, step, right) is not None:
+            modulo = left
+    if not (isinstance(modulo, cst.BinaryOperation) and isinstance(modulo.operator, cst.Modulo)):
+        return None
+    period = _static_int(trace, step, modulo.right)
+    return period if period is not None and period > 0 else None
