@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, syntax
+from distdoctor.lint.analysis import frameworks, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -22,6 +22,8 @@ class CompileBeforeDDP(Rule):
     Flags `torch.compile(model)` whose result is then wrapped in `DistributedDataParallel`
     (directly, through a variable, through a helper's parameter, or as what a builder of the same
     module returns: `DDP(build_model(), ...)` where `build_model` ends in `return torch.compile(m)`).
+    Silent when the compile sits in a branch that cannot run: `if use_compile:` where
+    `use_compile` is bound to the literal `False` and assigned nowhere else in the file.
 
     ## Why is this bad?
     The PyTorch documentation of DDP with TorchDynamo says to apply the DDP wrapper first and
@@ -98,6 +100,20 @@ class CompileBeforeDDP(Rule):
                 model = DDP(build_model().cuda(gpu), device_ids=[gpu])
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            use_compile = False
+            if args.compile:
+                use_compile = True
+            model = Net().cuda()
+            if use_compile:
+                model = torch.compile(model)  # expect: DD107
+            model = DDP(model, device_ids=[local_rank])
+            """
+        ),
     )
     valid = (
         Example(
@@ -133,6 +149,19 @@ class CompileBeforeDDP(Rule):
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # compiling is switched off by a literal on this path: the branch never runs
+            enable_compile = False
+            net = Net().cuda()
+            if enable_compile:
+                net = torch.compile(net)
+            net = DDP(net, device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
             def build_model():
                 model = Net()
                 model.loss = torch.compile(model.loss)
@@ -149,7 +178,7 @@ class CompileBeforeDDP(Rule):
             if wrapped is None:
                 continue
             compiled = _compile_call(ctx, trace, step, wrapped, 0)
-            if compiled is None:
+            if compiled is None or _dead(ctx, trace, _step_of(trace, compiled)):
                 continue
             yield Report(
                 compiled,
@@ -157,6 +186,65 @@ class CompileBeforeDDP(Rule):
                 "the wrapper (`model = torch.compile(DDP(model, ...))`), as the PyTorch docs advise, so DDP can "
                 "overlap its all-reduce with the compiled backward.",
             )
+
+
+def _step_of(trace: Trace, call: cst.Call) -> Step | None:
+    return next((s for s in trace.steps if any(c is call for c in syntax.own_calls(s.node))), None)
+
+
+def _dead(ctx: LintContext, trace: Trace, step: Step | None) -> bool:
+    """Whether `step` sits in a branch that cannot run: `if use_compile:` where `use_compile` is
+    bound to the literal `False` on this path and assigned nowhere else in the file (so no loop
+    iteration, branch or other call can make it true)."""
+    if step is None:
+        return False
+    for guard in step.guards:
+        test, runs_when = guard.test, not guard.negated
+        while isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+            test, runs_when = test.expression, not runs_when
+        text = names.dotted(test)
+        if text is None or not isinstance(test, (cst.Name, cst.Attribute)):
+            continue
+        if isinstance(test, cst.Name) and test.value in ("True", "False"):
+            if (test.value == "True") != runs_when:
+                return True
+            continue
+        found = ctx.binding(trace, step, test)
+        if found is None:
+            continue
+        known, value = syntax.const_value(found[1])
+        if known and isinstance(value, bool) and value != runs_when and _assigned_once(ctx, text):
+            return True
+    return False
+
+
+def _assigned_once(ctx: LintContext, text: str) -> bool:
+    """Whether exactly one statement of the module binds `text` (by any kind of assignment)."""
+    count = 0
+    for node in ctx.nodes(cst.Assign, cst.AnnAssign, cst.AugAssign, cst.For, cst.WithItem, cst.NamedExpr, cst.Param):
+        if isinstance(node, cst.Assign):
+            targets = [t.target for t in node.targets]
+        elif isinstance(node, cst.For):
+            targets = [node.target]
+        elif isinstance(node, cst.WithItem):
+            targets = [node.asname.name] if node.asname is not None else []
+        elif isinstance(node, cst.Param):
+            targets = [node.name]
+        else:
+            targets = [node.target]
+        for target in targets:
+            for leaf in _leaves(target):
+                if names.dotted(leaf) == text:
+                    count += 1
+    return count == 1
+
+
+def _leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [leaf for element in target.elements for leaf in _leaves(element.value)]
+    if isinstance(target, cst.StarredElement):
+        return _leaves(target.value)
+    return [target]
 
 
 def _compile_call(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int) -> cst.Call | None:

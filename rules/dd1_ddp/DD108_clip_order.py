@@ -22,7 +22,9 @@ class ClipOrder(Rule):
     Flags `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` in a training loop when, in the
     same iteration, it runs before `backward()`, after the optimizer's `step()` (with no new
     backward in between), or after a `GradScaler`'s `scaler.scale(loss).backward()` without
-    `scaler.unscale_(optimizer)` between the backward pass and the clip.
+    `scaler.unscale_(optimizer)` between the backward pass and the clip. A statement in a block
+    that ends in `continue` (or `break`, `return`, `raise`) does not count as run before the clip:
+    `if not finite: optimizer.zero_grad(); continue` skips the clip in that iteration.
 
     ## Why is this bad?
     Clipping acts on the `.grad` tensors present at that moment. Before `backward()` they are the
@@ -156,6 +158,29 @@ class ClipOrder(Rule):
                 optimizer.zero_grad()
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            scaler = torch.cuda.amp.GradScaler()
+            for x, y in loader:
+                try:
+                    loss = criterion(model(x), y)
+                    scaler.scale(loss).backward()
+                except RuntimeError:
+                    optimizer.zero_grad()  # a failed batch: its gradients are dropped ...
+                    continue  # ... and the clip below is not reached in that iteration
+                if not torch.isfinite(loss):
+                    optimizer.zero_grad()
+                    continue
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -166,7 +191,9 @@ class ClipOrder(Rule):
             here = next((i for i, (s, c, _) in enumerate(events) if c is call), None)
             if here is None:
                 continue
-            before = [kind for _, _, kind in events[:here]]
+            # An event in a block that ends in `continue` (or leaves the loop) is not followed by
+            # the clip in the same iteration: `if skipped: optimizer.zero_grad(); continue`.
+            before = [kind for s, c, kind in events[:here] if not _cut_off(ctx, s.node, call, step.loops[-1])]
             after = [kind for _, _, kind in events[here + 1 :]]
             backward_kinds = (BACKWARD, SCALED_BACKWARD)
             last_backward = max((i for i, kind in enumerate(before) if kind in backward_kinds), default=None)
@@ -225,6 +252,45 @@ def _events(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> list[tuple[Ste
             if kind is not None:
                 events.append((step, call, kind))
     return events
+
+
+def _cut_off(ctx: LintContext, node: cst.CSTNode, clip: cst.Call, loop: cst.CSTNode) -> bool:
+    """Whether the statement `node`, run before the clip in the loop body, sits in a block that
+    ends in `continue`, `break`, `return` or `raise` and does not hold the clip: on the path that
+    reaches the clip in this iteration, that statement did not run."""
+    holds_clip: set[int] = set()
+    cur: cst.CSTNode | None = clip
+    while cur is not None:
+        holds_clip.add(id(cur))
+        cur = ctx.parent(cur)
+    found: list[tuple[type, bool]] = []  # (terminator, inside a loop nested in `loop`)
+    nested = False
+    reached_loop = False
+    cur = node
+    while True:
+        parent = ctx.parent(cur)
+        if parent is None or isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            break  # a helper's body: its `return` goes back to the loop, which goes on
+        if parent is loop:
+            reached_loop = True
+            break
+        if isinstance(parent, (cst.For, cst.While)):
+            nested = True
+        if isinstance(parent, cst.IndentedBlock) and id(parent) not in holds_clip and parent.body:
+            last = parent.body[-1]
+            if isinstance(last, cst.SimpleStatementLine):
+                for small in last.body:
+                    if isinstance(small, (cst.Continue, cst.Break, cst.Return, cst.Raise)):
+                        found.append((type(small), nested))
+        cur = parent
+    for kind, in_nested in found:
+        if kind is cst.Raise:
+            return True
+        if kind is cst.Return and reached_loop:
+            return True
+        if kind in (cst.Continue, cst.Break) and reached_loop and not in_nested:
+            return True
+    return False
 
 
 def _is_scaler(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:

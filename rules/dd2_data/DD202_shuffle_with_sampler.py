@@ -20,7 +20,10 @@ class ShuffleWithSampler(Rule):
     ## What it does
     Flags `DataLoader(..., shuffle=True, sampler=...)` (and `shuffle=True` with a
     `batch_sampler=`) when the sampler is not the literal `None`. `shuffle` counts as true when it
-    is the literal `True` or a name known to hold `True` on that code path.
+    is the literal `True` or a name known to hold `True` on that code path. A conditional
+    `shuffle` counts by its branch for the multi-process run when its test says whether the job is
+    distributed (`shuffle=False if args.distributed else True` is silent: the sampler is only set
+    in that run), and otherwise only when both of its branches are true.
 
     A sampler held in a variable that may be `None` (`sampler = DistributedSampler(ds) if
     distributed else None`) is flagged too: the distributed run, the one that matters, crashes.
@@ -126,6 +129,15 @@ class ShuffleWithSampler(Rule):
             train_loader = make_loader(train_set, shuffle=True)
             """
         ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(train_set) if args.distributed else None
+            shuffle = True if args.distributed else False
+            loader = DataLoader(train_set, batch_size=64, shuffle=shuffle, sampler=sampler)  # expect: DD202
+            """
+        ),
     )
     valid = (
         Example(
@@ -165,6 +177,17 @@ class ShuffleWithSampler(Rule):
             loader = DataLoader(ds, shuffle=True, sampler=order)
             """
         ),
+        Example(
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(train_set) if args.distributed else None
+            loader = DataLoader(train_set, batch_size=64, shuffle=False if args.distributed else True, sampler=sampler)
+            shuffle_eval = False if args.distributed else True
+            eval_sampler = DistributedSampler(eval_set, shuffle=False) if args.distributed else None
+            eval_loader = DataLoader(eval_set, batch_size=64, shuffle=shuffle_eval, sampler=eval_sampler)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -173,7 +196,7 @@ class ShuffleWithSampler(Rule):
             if id(call) in reported or any(arg.star for arg in call.args):
                 continue
             shuffle = syntax.argument(call, 2, "shuffle")
-            if shuffle is None or not _is_true(trace, step, shuffle):
+            if shuffle is None or not _is_true(ctx, trace, step, shuffle):
                 continue
             which = "sampler"
             sampler = syntax.argument(call, 3, "sampler")
@@ -194,9 +217,25 @@ class ShuffleWithSampler(Rule):
             )
 
 
-def _is_true(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+def _is_true(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
+    """Whether `shuffle` is true in the run where the sampler is set. A conditional
+    (`False if args.distributed else True`, directly or through a name) counts by its branch for
+    the multi-process run, where a distributed sampler is set; under any other test, only when
+    both branches are true."""
     if isinstance(expr, cst.Name) and expr.value == "True":
         return True
+    if depth > 4:
+        return False
+    if isinstance(expr, cst.IfExp):
+        test = trace.value(expr.test, step)
+        if test is not None and test.kind == kinds.PROCESS_COUNT_TEST:
+            branch = expr.body if test.attrs.get("multi") else expr.orelse
+            return _is_true(ctx, trace, step, branch, depth + 1)
+        return _is_true(ctx, trace, step, expr.body, depth + 1) and _is_true(ctx, trace, step, expr.orelse, depth + 1)
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        found = ctx.binding(trace, step, expr)
+        if found is not None and isinstance(found[1], cst.IfExp):
+            return _is_true(ctx, trace, found[0], found[1], depth + 1)
     value = trace.value(expr, step)
     return value is not None and value.kind == kinds.CONST and value.attrs.get("value") is True
 

@@ -27,6 +27,9 @@ MAX_DEPTH = 4
 PATH_KEYWORDS = frozenset({"download", "cache_dir", "transform", "target_transform", "verbose", "log", "logger"})
 # Library datasets that are map-style whatever arguments they get.
 MAP_STYLE_LIBRARIES = ("torchvision.datasets.", "torchaudio.datasets.", "torchtext.datasets.")
+# Words of a flag that switches on a small trial run: `args.mini_run`, `debug`, `dry_run`.
+DEBUG_WORDS = frozenset({"debug", "mini", "dry", "dryrun", "smoke", "sanity", "toy", "tiny", "overfit", "troubleshoot"})
+SHARD_KEYWORDS = ("num_replicas", "rank", "world_size", "num_shards", "shard_id")
 
 
 class MissingDistributedSampler(Rule):
@@ -49,7 +52,10 @@ class MissingDistributedSampler(Rule):
       full set on every rank is wasteful but not wrong, and common on purpose;
     - the loader takes `**kwargs` (a sampler may be in them), or a framework shards loaders
       (accelerate, Lightning, DeepSpeed, Ray Train, ...);
-    - the loader is never seen feeding a loop that calls `backward()`.
+    - the loader is never seen feeding a loop that calls `backward()`;
+    - the loader is built in a trial-run branch (`if args.mini_run:`, `if debug:`) while the same
+      loader variable is built elsewhere in the file with a sampler that shards by rank (given
+      `num_replicas=`/`rank=`, or a `DistributedSampler`): the real run is sharded.
 
     A dataset of unknown type (built by a function of another module) without any of these signs
     is treated as map-style: almost every dataset is, and the loop says the loader trains.
@@ -175,6 +181,24 @@ class MissingDistributedSampler(Rule):
                             self.model(batch)
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def main(args, rank):
+                full = TokenFiles(args.data)
+                if args.corpus == "small":
+                    # a real configuration, not a trial run: it trains unsharded
+                    loader = DataLoader(full, batch_size=4, shuffle=True)  # expect: DD203
+                else:
+                    loader = DataLoader(full, batch_size=4, sampler=DistributedSampler(full))
+                model = DDP(Net().cuda(rank), device_ids=[rank])
+                for batch in loader:
+                    model(batch).mean().backward()
+            """
+        ),
     )
     valid = (
         Example(
@@ -255,6 +279,25 @@ class MissingDistributedSampler(Rule):
                 accelerator.backward(model(batch).loss)
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, Subset
+
+            def main(args, rank):
+                full = TokenFiles(args.data)
+                if args.debug_run:
+                    # a quick trial on a handful of samples, every rank the same
+                    loader = DataLoader(Subset(full, range(64)), batch_size=4, shuffle=True)
+                else:
+                    order = LengthBuckets(full.lengths, num_replicas=args.world_size, rank=rank)
+                    loader = DataLoader(full, batch_sampler=TokenBudget(order, 4096))
+                model = DDP(Net().cuda(rank), device_ids=[rank])
+                for batch in loader:
+                    model(batch).mean().backward()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -278,6 +321,8 @@ class MissingDistributedSampler(Rule):
             dataset = syntax.argument(call, 0, "dataset")
             if dataset is None or _sharded_or_iterable(ctx, trace, step, dataset, iterable_classes, 0):
                 continue
+            if _debug_branch_of_sharded_loader(ctx, trace, call):
+                continue
             reported.add(id(call))
             horovod = ctx.uses_horovod and not any(True for _ in ctx.calls(DDP))
             extra = ", num_replicas=hvd.size(), rank=hvd.rank()" if horovod else ""
@@ -295,6 +340,58 @@ def _trains_distributed(ctx: LintContext) -> bool:
     # FSDP and FSDP2 are data parallel too; with tensor parallelism the ranks of a TP group must
     # read the same batch, so a plain loader may be right there.
     return ctx.sharding.uses(FSDP1, FSDP2) and not ctx.sharding.uses(TP)
+
+
+def _debug_branch_of_sharded_loader(ctx: LintContext, trace: Trace, call: cst.Call) -> bool:
+    """Whether `call` is built only in a trial-run branch while the same target gets a loader
+    with a rank-sharding sampler elsewhere in the file."""
+    made = next((s for s in trace.steps if any(c is call for c in syntax.own_calls(s.node))), None)
+    if made is None or not isinstance(made.node, cst.Assign) or len(made.node.targets) != 1:
+        return False
+    if not any(_names_debug(guard.test, not guard.negated) for guard in made.guards):
+        return False
+    target = dotted(made.node.targets[0].target)
+    if target is None:
+        return False
+    for other_trace, step, other in ctx.calls(LOADER):
+        if other is call or not isinstance(step.node, cst.Assign) or len(step.node.targets) != 1:
+            continue
+        if dotted(step.node.targets[0].target) != target:
+            continue
+        for sampler in (syntax.argument(other, 3, "sampler"), syntax.argument(other, 4, "batch_sampler")):
+            if sampler is not None and _shards_by_rank(ctx, other_trace, step, sampler, 0):
+                return True
+    return False
+
+
+def _names_debug(test: cst.BaseExpression, truth: bool) -> bool:
+    """Whether `test` having the truth value `truth` means a trial run: `args.mini_run` true,
+    `not debug` false."""
+    while isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        test, truth = test.expression, not truth
+    if not truth or not isinstance(test, (cst.Name, cst.Attribute)):
+        return False
+    last = (dotted(test) or "").rsplit(".", 1)[-1].lower()
+    return bool(DEBUG_WORDS & set(re.split(r"_+", last)))
+
+
+def _shards_by_rank(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int) -> bool:
+    """Whether a sampler expression is, or is built from, a sampler given the rank:
+    `DistributedSampler(ds)`, `Bucketed(SortedSampler(lengths, num_replicas=ws, rank=rank))`."""
+    if depth > MAX_DEPTH:
+        return False
+    value = trace.value(expr, step)
+    if value is not None and value.kind == kinds.SAMPLER:
+        return True
+    if isinstance(expr, cst.Call):
+        if any(arg.keyword is not None and arg.keyword.value in SHARD_KEYWORDS for arg in expr.args):
+            return True
+        return any(_shards_by_rank(ctx, trace, step, arg.value, depth + 1) for arg in expr.args if arg.keyword is None)
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        found = ctx.binding(trace, step, expr)
+        if found is not None:
+            return _shards_by_rank(ctx, trace, found[0], found[1], depth + 1)
+    return False
 
 
 def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:
