@@ -28,7 +28,8 @@ class CollectiveInRankBranch(Rule):
     the others wait" idiom: `if local_rank not in [-1, 0]: dist.barrier()` ... then
     `if local_rank == 0: dist.barrier()`), or when the function that makes the collective is
     handed as a callback to a call on the other side (`optimizer.step(closure)` on rank 0,
-    `closure()` on the others). Point-to-point `send`/`recv` are not collectives. A forward
+    `closure()` on the others), and under a condition that holds in single-process runs only
+    (`if args.local_rank == -1 and ...:`). Point-to-point `send`/`recv` are not collectives. A forward
     through a DDP wrapper under a rank condition is DD307's finding (default off): it hangs only
     in some cases.
 

@@ -24,7 +24,8 @@ class DDPForwardUnderRankGuard(Rule):
 
     It stays silent when the wrapper was built with `broadcast_buffers=False` (the forward makes
     no collective), when the forward goes through the plain module (`ddp_model.module(x)`), in
-    the `else` branch of `if hasattr(model, "module"):` (the model is not wrapped there), and when
+    the `else` branch of `if hasattr(model, "module"):` (the model is not wrapped there), under a
+    condition that holds in single-process runs only (`if args.local_rank == -1 and ...:`), and when
     the other ranks run a DDP forward on the other side of the condition.
 
     ## Why is this bad?
@@ -156,6 +157,25 @@ class DDPForwardUnderRankGuard(Rule):
                 fit(net)
                 if rank == 0:
                     render(net, held_out)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch import nn
+
+            def score(args, model, batches):
+                with torch.no_grad():
+                    return sum(model(b).item() for b in batches)
+
+            def train(args, model, batches):
+                if args.local_rank != -1:
+                    model = nn.parallel.DistributedDataParallel(model, device_ids=[args.local_rank])
+                for step, batch in enumerate(batches):
+                    model(batch).backward()
+                    if args.local_rank in [-1, 0] and step % 100 == 0:
+                        if args.local_rank == -1 and args.eval_while_training:
+                            score(args, model, batches)  # single-process runs only: no wrapper
             """
         ),
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import evaluate, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.sharding import FSDP2
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -54,8 +54,30 @@ def events(ctx: LintContext, trace: Trace) -> list[Event]:
 def unmatched(ctx: LintContext, trace: Trace, found: list[Event]) -> Iterable[Event]:
     """The events under a rank condition whose skipped ranks make no matching call."""
     for event in found:
-        if event.guards and not _matched(ctx, trace, event, found):
+        if event.guards and not _matched(ctx, trace, event, found) and not single_process_only(ctx, event.step):
             yield event
+
+
+def single_process_only(ctx: LintContext, step: Step) -> bool:
+    """Whether `step` runs only in a single-process run: under `if args.local_rank == -1 and ...:`
+    or `if world_size == 1:` (or in the `else` of `if distributed:`). There is no other rank to
+    wait for there, and no DDP wrapper."""
+    for guard in step.guards:
+        terms: list[cst.BaseExpression] = [guard.test]
+        joiner = cst.Or if guard.negated else cst.And  # not (a or b) holds when both are false
+        while any(isinstance(t, cst.BooleanOperation) and isinstance(t.operator, joiner) for t in terms):
+            split: list[cst.BaseExpression] = []
+            for t in terms:
+                if isinstance(t, cst.BooleanOperation) and isinstance(t.operator, joiner):
+                    split.extend((t.left, t.right))
+                else:
+                    split.append(t)
+            terms = split
+        for term in terms:
+            value = evaluate.Evaluator(ctx.info, step.env, guard.frame, guard.results).eval(term)
+            if value is not None and value.kind == kinds.PROCESS_COUNT_TEST and bool(value.attrs.get("multi")) == guard.negated:
+                return True
+    return False
 
 
 def _sharded_forward(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> str | None:
