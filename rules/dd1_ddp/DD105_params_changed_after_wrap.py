@@ -15,6 +15,16 @@ from distdoctor.lint.rule import Example, Report, Rule
 
 # Attributes whose assignment changes no parameter: flags, in-place tensor data, gradients.
 NOT_PARAMETERS = frozenset({"data", "grad", "requires_grad", "training", "device", "dtype"})
+# Builtins whose result is a plain value (a number, a string, a container): `nn.Module.__setattr__`
+# registers only `Parameter` and `Module` instances, so assigning one of these adds nothing DDP
+# should know (`model.module.noise_scale = max(scale, 0.0)`). Builtins that may hand back any
+# object (`getattr`, `next`, `type`, ...) are not among them.
+PLAIN_VALUE_BUILTINS = frozenset({
+    "abs", "all", "any", "bool", "bytes", "chr", "complex", "dict", "divmod", "enumerate", "filter",
+    "float", "format", "frozenset", "hasattr", "hash", "id", "int", "isinstance", "len", "list", "map",
+    "max", "min", "ord", "pow", "range", "repr", "reversed", "round", "set", "sorted", "str", "sum",
+    "tuple", "zip",
+})
 
 
 class ParamsChangedAfterWrap(Rule):
@@ -112,6 +122,8 @@ class ParamsChangedAfterWrap(Rule):
             model = DDP(Net().cuda(), device_ids=[local_rank])
             model.module.training = False
             model.module.temperature = 0.07
+            for step in range(1000):
+                model.module.noise_scale = max(0.5 - 1e-4 * step, 0.0)  # a float, not a parameter
             for p in model.module.parameters():
                 p.data = p.data.float()
             """
@@ -182,5 +194,15 @@ def _holds_parameters(ctx: LintContext, trace: Trace, step: Step, value: cst.Bas
         return False
     qual = ctx.qualname(inner.func)
     if qual is None:
+        if isinstance(inner.func, cst.Name) and inner.func.value in PLAIN_VALUE_BUILTINS and not _defined_here(ctx, inner.func.value):
+            return False  # a number, a string or a container: never registered as a parameter
         return True  # a builder or a class of this project
     return qual.startswith("torch.nn.") or qual.startswith(("torchvision.models", "timm", "transformers", "copy.deepcopy"))
+
+
+def _defined_here(ctx: LintContext, name: str) -> bool:
+    """Whether the module defines or imports `name` itself (shadowing the builtin)."""
+    for node in ctx.module.body:
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef)) and node.name.value == name:
+            return True
+    return False

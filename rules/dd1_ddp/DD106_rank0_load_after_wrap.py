@@ -162,6 +162,26 @@ class Rank0LoadAfterWrap(Rule):
                 optimizer.load_state_dict(torch.load("opt.pt", map_location="cpu"))
             """
         ),
+        Example(
+            """
+            import copy
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from mixed import prepare
+
+            class Pair:
+                def __init__(self, rank):
+                    self.net = Net().cuda(rank)
+                    self.avg = copy.deepcopy(self.net)
+                    (self.net, self.avg), self.opt = prepare([self.net, self.avg], Adam())
+                    self.ddp = DDP(self.net, device_ids=[rank])
+
+                def reset_average(self):
+                    if dist.get_rank() == 0:
+                        # the averaged copy (never wrapped) takes the live weights: nothing diverges
+                        self.avg.load_state_dict(self.net.state_dict())
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:

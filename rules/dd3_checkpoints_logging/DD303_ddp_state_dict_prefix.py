@@ -17,6 +17,11 @@ SAVE = "torch.save"
 LOAD = "torch.load"
 # Helpers that restore training state from a checkpoint file, by a word of their name.
 RESTORE_WORDS = frozenset({"load", "reload", "restore", "resume", "restart"})
+# String methods (and `len`) a loader uses to strip the `module.` prefix off checkpoint keys:
+# `k.replace("module.", "")`, `k.split("module.")[1]`, `k.removeprefix("module.")`,
+# `k[len("module."):]`, `k.startswith("module")`.
+STRIP_CALLS = frozenset({"replace", "split", "removeprefix", "lstrip", "startswith", "sub", "len"})
+PREFIXES = ("module.", "module")
 
 
 class DDPStateDictPrefix(Rule):
@@ -26,7 +31,10 @@ class DDPStateDictPrefix(Rule):
     checkpoint dict, through a variable, or through a helper that saves what it is given, when
     `ddp_model` is a `DistributedDataParallel` wrapper.
 
-    It stays silent on a self-consistent round trip: when the same file restores that same
+    It stays silent when the file strips the prefix where it loads checkpoints
+    (`k.replace("module.", "")`, `k.split("module.")[1]`, `k[len("module."):]`, or `k[7:]` over
+    a state dict's keys), when the saved name holds the plain module (`g_module =
+    generator.module`, bound on any path), and on a self-consistent round trip: when the same file restores that same
     wrapper from a checkpoint (`ddp_model.load_state_dict(torch.load(path)["model"])`, or the
     wrapper itself handed to a restore helper such as `restart_from_checkpoint(path,
     model=ddp_model)`), the `module.` keys are written and read by the same wrapper and resuming
@@ -234,11 +242,91 @@ class DDPStateDictPrefix(Rule):
                         torch.save(payload, "last.pth")
             """
         ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def export(path):
+                raw = torch.load(path, map_location="cpu")
+                plain = Net()
+                plain.load_state_dict({key.replace("module.", "", 1): t for key, t in raw.items()})
+                return plain
+
+            def fit(rank):
+                net = DDP(Net().cuda(rank), device_ids=[rank])
+                train(net)
+                if rank == 0:
+                    torch.save(net.state_dict(), "net.pt")  # export() strips the prefix
+            """
+        ),
+        Example(
+            """
+            import collections
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def evaluate_file(path):
+                saved = torch.load(path, map_location="cpu")
+                renamed = collections.OrderedDict()
+                for key, tensor in saved.items():
+                    renamed[key[7:]] = tensor  # drop the wrapper's prefix
+                model = Net()
+                model.load_state_dict(renamed)
+
+            def fit(rank):
+                net = DDP(Net().cuda(rank), device_ids=[rank])
+                train(net)
+                torch.save(net.state_dict(), "net.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch import nn
+
+            def fit(opts, gen, disc):
+                if opts.distributed:
+                    gen_plain = gen.module
+                else:
+                    gen_plain = gen
+                for step in range(opts.steps):
+                    train_step(gen, disc)
+                    if step % 1000 == 0:
+                        torch.save({"gen": gen_plain.state_dict()}, f"{step}.pt")
+
+            def main(opts):
+                gen, disc = Gen().cuda(), Disc().cuda()
+                if opts.distributed:
+                    gen = nn.parallel.DistributedDataParallel(gen, device_ids=[opts.rank])
+                    disc = nn.parallel.DistributedDataParallel(disc, device_ids=[opts.rank])
+                fit(opts, gen, disc)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+            from storage import torch_load
+
+            def main(rank, ckpt_path):
+                net = DistributedDataParallel(Net().cuda(rank), device_ids=[rank])
+                state = torch_load(ckpt_path)  # a wrapper of torch.load
+                net.load_state_dict(state["weights"])  # the wrapper reads its own keys back
+                train(net)
+                if rank == 0:
+                    torch.save({"weights": net.state_dict()}, ckpt_path)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         restored: list[kinds.Value] | None = None
-        for trace, step, call in ctx.calls(SAVE):
+        saves = list(ctx.calls(SAVE))
+        if not saves or _strips_module_prefix(ctx.module):
+            return
+        unwrapped = _names_bound_to_module_attribute(ctx.module)
+        for trace, step, call in saves:
             obj = syntax.argument(call, 0, "obj")
             if obj is None:
                 continue
@@ -249,6 +337,8 @@ class DDPStateDictPrefix(Rule):
                     and part.func.attr.value == "state_dict"
                 ):
                     continue
+                if dotted(part.func.value) in unwrapped:
+                    continue  # `g_module = generator.module` on the distributed path: the plain model
                 wrapper = trace.value(part.func.value, part_step)
                 if wrapper is None or wrapper.kind != kinds.DDP:
                     continue
@@ -301,7 +391,8 @@ def _from_torch_load(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseE
     while isinstance(expr, cst.Subscript):
         expr = expr.value
     if isinstance(expr, cst.Call):
-        return ctx.qualname(expr.func) == LOAD
+        qual = ctx.qualname(expr.func) or ""
+        return qual == LOAD or qual.rsplit(".", 1)[-1] == "torch_load"  # torch.load, or a wrapper of it
     if depth > 6 or not isinstance(expr, (cst.Name, cst.Attribute)):
         return False
     found = ctx.binding(trace, step, expr)
@@ -309,3 +400,56 @@ def _from_torch_load(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseE
         return False
     source_step, source = found
     return _from_torch_load(ctx, trace, source_step, source, depth + 1)
+
+
+def _strips_module_prefix(module: cst.Module) -> bool:
+    """Whether the file strips the `module.` prefix off state dict keys somewhere (where it loads a
+    checkpoint): the `module.` keys are then expected and handled."""
+    for node in syntax.walk(module):
+        if isinstance(node, cst.Call):
+            func = node.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
+            if name in STRIP_CALLS and any(_is_prefix(arg.value) for arg in node.args):
+                return True
+        elif isinstance(node, (cst.For, cst.DictComp)) and _slices_off_seven(node):
+            return True
+    return False
+
+
+def _is_prefix(expr: cst.BaseExpression) -> bool:
+    return isinstance(expr, cst.SimpleString) and expr.evaluated_value in PREFIXES
+
+
+def _slices_off_seven(loop: cst.For | cst.DictComp) -> bool:
+    """`for k, v in sd.items(): new[k[7:]] = v` / `{k[7:]: v for k, v in sd.items()}`: the keys of a
+    state dict lose their first seven characters, `len("module.")`."""
+    target = loop.target if isinstance(loop, cst.For) else loop.for_in.target
+    iterable = loop.iter if isinstance(loop, cst.For) else loop.for_in.iter
+    if not (isinstance(target, cst.Tuple) and target.elements and isinstance(target.elements[0].value, cst.Name)):
+        return False
+    if not (isinstance(iterable, cst.Call) and isinstance(iterable.func, cst.Attribute) and iterable.func.attr.value == "items"):
+        return False
+    key = target.elements[0].value.value
+    for node in syntax.walk(loop):
+        if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) and node.value.value == key and len(node.slice) == 1:
+            index = node.slice[0].slice
+            if (
+                isinstance(index, cst.Slice)
+                and isinstance(index.lower, cst.Integer)
+                and index.lower.value == "7"
+                and index.upper is None
+            ):
+                return True
+    return False
+
+
+def _names_bound_to_module_attribute(module: cst.Module) -> set[str]:
+    """Names assigned the plain module of a wrapper somewhere: `g_module = generator.module`."""
+    found = set()
+    for node in syntax.walk(module):
+        if isinstance(node, cst.Assign) and isinstance(node.value, cst.Attribute) and node.value.attr.value == "module":
+            for target in node.targets:
+                name = dotted(target.target)
+                if name:
+                    found.add(name)
+    return found

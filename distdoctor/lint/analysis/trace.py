@@ -208,7 +208,9 @@ class _Builder:
             items = value.items if value is not None and value.kind == TUPLE else ()
             for index, element in enumerate(target.elements):
                 item = items[index] if index < len(items) else None
-                self.bind_target(element.value, item, frame, node)
+                # An element we know nothing of is its own unknown object (its target is its node):
+                # the parts of `(a, b, c) = amp.initialize([a, b, c])` are not one and the same object.
+                self.bind_target(element.value, item, frame, None)
             return
         key = env_key(target, frame)
         if key is None:
