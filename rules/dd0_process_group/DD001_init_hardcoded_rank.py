@@ -124,6 +124,46 @@ class InitHardcodedRank(Rule):
     )
     valid = (
         Example(
+            # The script is its own launcher: each Process gets its global rank; the literal
+            # belongs to the single-process fallback call only.
+            """
+            import torch.distributed as dist
+            from torch.multiprocessing import Process
+
+            def start_worker(rank, world, fn, cfg):
+                dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world)
+                fn(rank, cfg)
+
+            def launch(cfg, fit):
+                if cfg.procs > 1:
+                    workers = [
+                        Process(target=start_worker, args=(cfg.node * cfg.procs + i, cfg.nodes * cfg.procs, fit, cfg))
+                        for i in range(cfg.procs)
+                    ]
+                    for w in workers:
+                        w.start()
+                else:
+                    start_worker(0, cfg.procs, fit, cfg)
+            """
+        ),
+        Example(
+            # `+=` of the spawn index makes the rank unique per process.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            def worker(index, opts):
+                opts.rank += index
+                dist.init_process_group("nccl", init_method=opts.url, world_size=opts.world, rank=opts.rank)
+
+            def main(opts):
+                opts.rank = 0
+                opts.world = torch.cuda.device_count()
+                mp.spawn(worker, (opts,), opts.world)
+            """
+        ),
+        Example(
             # Every call site counts: the single-GPU fallback `run(rank=0, ...)` does not make
             # the worker's rank the constant 0 for the spawned processes.
             """
@@ -205,7 +245,12 @@ class InitHardcodedRank(Rule):
             rank_expr = syntax.argument(call, 4, "rank")
             world_expr = syntax.argument(call, 3, "world_size")
             world = trace.value(world_expr, step) if world_expr is not None else None
-            if rank_expr is not None and _literal_rank(trace, step, rank_expr) and not _is_one(world):
+            if (
+                rank_expr is not None
+                and _literal_rank(trace, step, rank_expr)
+                and not _is_one(world)
+                and not _process_target_parameter(ctx, step, rank_expr)
+            ):
                 reported.add(id(call))
                 yield Report(
                     syntax.arg_node(call, rank_expr),
@@ -239,6 +284,30 @@ def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
         if bound is not None and bound.kind == kinds.CONST and isinstance(bound.node, cst.Integer):
             known, value = True, bound.attrs.get("value")
     return known and isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _process_target_parameter(ctx: LintContext, step: Step, expr: cst.BaseExpression) -> bool:
+    """`rank` is a parameter of a function this script also starts as a worker process
+    (`Process(target=init_processes, args=(global_rank, ...))`): the literal came from one
+    call site (a single-process fallback `init_processes(0, ...)`), the started processes get
+    their own ranks. Every call site counts."""
+    function = step.frame.function
+    if not isinstance(expr, cst.Name) or function is None:
+        return False
+    params = {param.name.value for param in function.params.params}
+    if expr.value not in params:
+        return False
+    name = function.name.value
+    for node in ctx.nodes(cst.Call):
+        qual = ctx.qualname(node.func) or ""
+        if qual not in SPAWNERS and not qual.endswith((".spawn", ".start_processes")):
+            continue
+        target = syntax.keyword(node, "target")
+        if target is None and qual.endswith((".spawn", ".start_processes")):
+            target = syntax.argument(node, 0, "fn")
+        if isinstance(target, cst.Name) and target.value == name:
+            return True
+    return False
 
 
 def _is_one(value: Value | None) -> bool:

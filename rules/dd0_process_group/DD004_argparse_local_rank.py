@@ -13,6 +13,12 @@ from distdoctor.lint.rule import Example, Report, Rule
 
 FLAGS = ("--local_rank", "--local-rank")
 ENV_NAME = "LOCAL_RANK"
+SPAWNERS = (
+    "torch.multiprocessing.spawn",
+    "torch.multiprocessing.start_processes",
+    "torch.multiprocessing.Process",
+    "multiprocessing.Process",
+)
 # Launchers that still pass `--local_rank` to the script.
 
 
@@ -129,6 +135,27 @@ class ArgparseLocalRank(Rule):
     )
     valid = (
         Example(
+            # The script starts its processes itself and sets the attribute per process.
+            """
+            import argparse
+            import torch
+            from torch.multiprocessing import Process
+
+            def run(cfg):
+                torch.cuda.set_device(cfg.local_rank)
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)
+            parser.add_argument("--procs", type=int, default=1)
+            cfg = parser.parse_args()
+            jobs = []
+            for i in range(cfg.procs):
+                cfg.local_rank = i
+                jobs.append(Process(target=run, args=(cfg,)))
+                jobs[-1].start()
+            """
+        ),
+        Example(
             """
             import argparse
             import os
@@ -201,7 +228,7 @@ class ArgparseLocalRank(Rule):
         if ctx.imports.imports_any(frameworks.PASSES_LOCAL_RANK_FLAG):
             return
         flags = _local_rank_flags(ctx)
-        if not flags or _reads_local_rank_env(ctx):
+        if not flags or _reads_local_rank_env(ctx) or _own_launcher(ctx):
             return
         use = next((u for u in device_indices(ctx) if _from_flag(u.trace.value(u.index, u.step))), None)
         if use is None:
@@ -243,6 +270,23 @@ def _reads_local_rank_env(ctx: LintContext) -> bool:
         if node.evaluated_value == ENV_NAME and id(node) not in written:
             return True
     return any(ENV_NAME in node.value for node in ctx.nodes(cst.FormattedStringText))
+
+
+def _own_launcher(ctx: LintContext) -> bool:
+    """The script starts its worker processes itself (`Process(target=...)`, `mp.spawn`) and
+    sets `args.local_rank` itself (`args.local_rank = i` in the loop that starts them): the
+    flag is a fallback for a single process, not what torchrun would have to pass."""
+    starts = any(
+        (ctx.qualname(node.func) or "") in SPAWNERS or (ctx.qualname(node.func) or "").endswith(".multiprocessing.spawn")
+        for node in ctx.nodes(cst.Call)
+    )
+    if not starts:
+        return False
+    for node in ctx.nodes(cst.Assign):
+        for target in node.targets:
+            if isinstance(target.target, cst.Attribute) and target.target.attr.value in ("local_rank", "local-rank"):
+                return True
+    return False
 
 
 def _from_flag(value: kinds.Value | None) -> bool:

@@ -109,6 +109,26 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # The -1 term is "not distributed"; when distributed the local rank decides.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def main(cfg):
+                cfg.local_rank = int(os.environ.get("LOCAL_RANK", -1))
+                if cfg.local_rank != -1:
+                    dist.init_process_group("nccl")
+                for epoch in range(cfg.epochs):
+                    fit(model)
+                    if cfg.local_rank == -1 or cfg.local_rank == 0:
+                        torch.save(model.state_dict(), "model.pt")  # expect: DD302
+
+            if __name__ == "__main__":
+                main(parse_config())
+            """
+        ),
+        Example(
             """
             import os
             import torch
@@ -179,6 +199,65 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # `opts.rank += index` in the spawn worker: opts.rank is the global rank.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel
+
+            def worker(index, opts):
+                opts.rank += index
+                dist.init_process_group("nccl", init_method=opts.url, world_size=opts.world, rank=opts.rank)
+                net = DistributedDataParallel(build().cuda(index), device_ids=[index])
+                for epoch in range(opts.epochs):
+                    fit(net)
+                    if opts.rank == 0:
+                        torch.save(net.module.state_dict(), "weights.pt")
+
+            if __name__ == "__main__":
+                opts = parse_options()
+                opts.rank = 0
+                mp.spawn(worker, (opts,), torch.cuda.device_count())
+            """
+        ),
+        Example(
+            # The attribute named local_rank was overwritten with the global rank.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main(cfg):
+                dist.init_process_group("nccl", init_method="env://")
+                cfg.local_rank = dist.get_rank()
+                for epoch in range(cfg.epochs):
+                    fit(model)
+                    if cfg.local_rank == 0:
+                        torch.save({"model": model.state_dict()}, "last.pt")
+
+            if __name__ == "__main__":
+                main(parse_config())
+            """
+        ),
+        Example(
+            # The -1 term means "not distributed"; when distributed the global rank decides.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def fit(cfg, model, optimizer):
+                if cfg.local_rank != -1:
+                    dist.init_process_group("nccl")
+                for epoch in range(cfg.epochs):
+                    step(model, optimizer)
+                    if cfg.local_rank == -1 or dist.get_rank() == 0:
+                        torch.save(optimizer.state_dict(), "optimizer.pt")
+
+            if __name__ == "__main__":
+                fit(parse_config(), build(), make_optimizer())
+            """
+        ),
         Example(
             """
             import torch

@@ -438,12 +438,31 @@ def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) ->
     """Whether a rank test reads the local rank (true once per node, not once per job), e.g.
     `local_rank == 0`, or `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet)."""
     evaluator = evaluate.Evaluator(ctx.info, step.env, step.frame, {})
+    skipped: set[int] = set()
     for node in syntax.walk(test):
+        if isinstance(node, cst.Attribute):
+            skipped.add(id(node.attr))  # `args.local_rank` is what args holds, not a name `local_rank`
+        elif isinstance(node, cst.Comparison) and _tests_not_distributed(node):
+            # `local_rank == -1 or dist.get_rank() == 0`: the -1 term only says "not
+            # distributed"; when distributed the other term decides.
+            skipped.update(id(inner) for inner in syntax.walk(node))
+        if id(node) in skipped:
+            continue
         if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.BinaryOperation)):
             value = evaluator.eval(node)
             if value is not None and value.kind == kinds.LOCAL_RANK:
                 return True
     return False
+
+
+def _tests_not_distributed(node: cst.Comparison) -> bool:
+    """`x == -1` / `x != -1`: the sentinel of a script run without a launcher."""
+    if len(node.comparisons) != 1 or not isinstance(node.comparisons[0].operator, (cst.Equal, cst.NotEqual)):
+        return False
+    right = node.comparisons[0].comparator
+    return isinstance(right, cst.UnaryOperation) and isinstance(right.operator, cst.Minus) and (
+        isinstance(right.expression, cst.Integer) and right.expression.value == "1"
+    )
 
 
 def _read_names(node: cst.CSTNode) -> set[str]:

@@ -26,7 +26,7 @@ from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
 from distdoctor.lint.analysis.syntax import keyword, own_calls
 from distdoctor.lint.analysis.kinds import (
-    UNKNOWN, LOCAL_RANK, INSTANCE, TUPLE, CONST, Value,
+    UNKNOWN, LOCAL_RANK, RANK, RANK_NAMES, INSTANCE, TUPLE, CONST, Value,
 )
 
 
@@ -183,6 +183,13 @@ class _Builder:
             if key is not None:
                 old = lookup(self.env, dotted(small.target) or "", frame)
                 new = self.evaluate(cst.BinaryOperation(small.target, _aug_to_bin(small.operator), small.value), frame, results)
+                if new is None:
+                    added = self.evaluate(small.value, frame, results)
+                    if added is not None and added.is_rank_like:
+                        # `args.rank += gpu` (the spawn index) makes the rank unique per process:
+                        # the constant base it had before is no longer what the name holds.
+                        named = (dotted(small.target) or "").rsplit(".", 1)[-1] in RANK_NAMES
+                        old = Value(RANK, small, origin="arith") if named and isinstance(small.operator, cst.AddAssign) else None
                 self.env = {**self.env, key: new or old or Value(UNKNOWN, small)}
         elif isinstance(small, cst.Return):
             frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
