@@ -233,5 +233,5 @@ def format_explain(rule: Rule) -> str:
     sentence = _precision_sentence(rule.code, measured_precision())
     if sentence:
         header.append(sentence)
-    header.append("")
+    header += ["", ""]  # a blank line before the page
     return "\n".join(header) + rule.documentation() + "\n"
