@@ -7,6 +7,8 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 from __future__ import annotations
 
 import ast
+import codecs
+import difflib
 import hashlib
 import json
 import os
@@ -49,6 +51,7 @@ NOQA = re.compile(
 )
 SYNTAX_ERROR = ("DD000", "syntax-error")
 INTERNAL_ERROR = ("DD000", "internal-error")
+UNUSED_NOQA = ("DD900", "unused-noqa")  # only with --report-unused-noqa
 PARALLEL_THRESHOLD = 16
 # Part of the cache key: a change in what the engine reports for the same text and rules.
 ENGINE_REVISION = "2"
@@ -202,6 +205,13 @@ def _unreadable_finding(path: str, exc: Exception) -> Finding:
     return _dd000(path, f"cannot read this file: {reason}", 1, 1)
 
 
+def unused_noqa_finding(unused: UnusedNoqa) -> Finding:
+    """An unused suppression as a finding (DD900), so that every format reports it."""
+    what = ", ".join(unused.codes) if unused.codes else "everything (bare noqa)"
+    code, name = UNUSED_NOQA
+    return Finding(code, name, "warning", f"unused suppression of {what}", unused.path, unused.line, 1, unused.line, 1)
+
+
 def _dd000(path: str, message: str, line: int, column: int) -> Finding:
     code, name = SYNTAX_ERROR
     return Finding(code, name, "error", message, path, line, column, line, column)
@@ -312,6 +322,42 @@ def fix_source(source: str, path: str, rules: Sequence[Rule]) -> tuple[str, int]
             break
         current, total = candidate, total + applied
     return current, total
+
+
+def fix_text(text: str, path: str, rules: Sequence[Rule]) -> tuple[str, int]:
+    """`fix_source` that keeps the text's line endings: a file whose lines all end in CRLF is fixed
+    with LF endings and given back with CRLF, so the lines a fix inserts match the others."""
+    crlf = "\r\n" in text and text.count("\n") == text.count("\r\n")
+    if not crlf:
+        return fix_source(text, path, rules)
+    fixed, applied = fix_source(text.replace("\r\n", "\n"), path, rules)
+    if applied == 0:
+        return text, 0
+    return fixed.replace("\n", "\r\n"), applied
+
+
+@dataclass(frozen=True)
+class FixOutcome:
+    applied: int
+    diff: str
+
+
+def fix_file(path: Path, rules: Sequence[Rule], *, write: bool) -> FixOutcome | None:
+    """Apply the safe fixes to one file (in place when `write`), keeping its line endings and a
+    UTF-8 byte order mark; None when nothing changes or the file cannot be read."""
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return None
+    fixed, applied = fix_text(text, str(path), rules)
+    if fixed == text:
+        return None
+    if write:
+        bom = "\ufeff" if raw.startswith(codecs.BOM_UTF8) else ""
+        write_atomically(path, bom + fixed)
+    diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), fixed.splitlines(keepends=True), str(path), str(path)))
+    return FixOutcome(applied, diff)
 
 
 def write_atomically(path: Path, text: str) -> None:
