@@ -106,7 +106,8 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
         # is fast and safe on any input; libcst confirms (it reads syntax newer than this Python).
         error = _python_syntax_error(source)
         if error is None:
-            return FileResult(path, ())
+            _, unused = _suppress([], source, path)  # every suppression here is unused
+            return FileResult(path, (), unused)
     reason = guard.too_deep(source)
     if reason is not None:
         return FileResult(path, (_dd000(path, reason, 1, 1),))
