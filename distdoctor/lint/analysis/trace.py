@@ -21,6 +21,7 @@ from typing import Any
 
 import libcst as cst
 
+from distdoctor.lint.analysis.env import Env, merge
 from distdoctor.lint.analysis.evaluate import Evaluator, env_key, lookup
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
@@ -93,7 +94,7 @@ class _Builder:
     def __init__(self, ctx: ModuleInfo) -> None:
         self.ctx = ctx
         self.steps: list[Step] = []
-        self.env: dict[Any, Value] = {}
+        self.env: Env = Env()
         self.frame_ids = itertools.count()
         self.inlined: set[int] = set()  # id() of function defs entered
 
@@ -178,7 +179,7 @@ class _Builder:
             if key is not None:
                 old = lookup(self.env, dotted(small.target) or "", frame)
                 new = self.evaluate(cst.BinaryOperation(small.target, _aug_to_bin(small.operator), small.value), frame, results)
-                self.env = {**self.env, key: new or old or Value(UNKNOWN, small)}
+                self.env = self.env.bind(key, new or old or Value(UNKNOWN, small))
         elif isinstance(small, cst.Return):
             frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
 
@@ -212,7 +213,7 @@ class _Builder:
             value = Value(UNKNOWN, node or target)
         if not value.name and (text := dotted(target)):
             value = replace(value, name=text)
-        self.env = {**self.env, key: value}
+        self.env = self.env.bind(key, value)
 
     # calls -----------------------------------------------------------------------------------
     def inline_calls(self, small, frame, loops, guards) -> dict[int, Value | None]:
@@ -284,14 +285,14 @@ class _Builder:
         if skip_first == "spawn":
             # mp.spawn(fn, args=(a, b)): fn(index, a, b); the index is the local rank.
             if params:
-                self.env = {**self.env, ("local", frame.id, params[0].name.value): Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)}
+                self.env = self.env.bind(("local", frame.id, params[0].name.value), Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value))
             extra = keyword(call, "args")
             passed = []
             if isinstance(extra, cst.Tuple):
                 passed = [self.evaluate(el.value, caller, results) for el in extra.elements]
             for param, value in zip(params[1:], passed):
                 if value is not None:
-                    self.env = {**self.env, ("local", frame.id, param.name.value): value}
+                    self.env = self.env.bind(("local", frame.id, param.name.value), value)
             return
         if skip_first and params:
             params = params[1:]
@@ -299,13 +300,13 @@ class _Builder:
         for param, arg in zip(params, positional):
             value = self.evaluate(arg.value, caller, results)
             if value is not None:
-                self.env = {**self.env, ("local", frame.id, param.name.value): value}
+                self.env = self.env.bind(("local", frame.id, param.name.value), value)
         by_name = {param.name.value for param in [*function.params.params, *function.params.kwonly_params]}
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value in by_name:
                 value = self.evaluate(arg.value, caller, results)
                 if value is not None:
-                    self.env = {**self.env, ("local", frame.id, arg.keyword.value): value}
+                    self.env = self.env.bind(("local", frame.id, arg.keyword.value), value)
 
 
 @dataclass(frozen=True)
@@ -313,20 +314,15 @@ class _NoBody:
     value: Value
 
 
-def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> dict[Any, Value]:
+def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> Env:
     """The state after an if/else: where the branches disagree, keep the value that says more
     about distributed training (`master = rank == 0` in one branch, `master = True` in the
     other, is a rank test), else the first branch's."""
-    merged = dict(second)
-    for key, value in first.items():
-        other = second.get(key)
-        if other is None or other is value:
-            merged[key] = value
-        elif value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST):
-            merged[key] = other
-        else:
-            merged[key] = value
-    return merged
+    return merge(first, second, _more_telling)
+
+
+def _more_telling(value: Value, other: Value) -> Value:
+    return other if value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST) else value
 
 
 def _ends_block(body: Sequence[cst.CSTNode]) -> bool:
@@ -367,7 +363,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
         if id(function) in reached:
             continue
         root = _Builder(ctx)
-        root.env = dict(module_env)
+        root.env = module_env.copy()
         root.frame_ids = builder.frame_ids
         frame = Frame(None, cls, None, None, next(builder.frame_ids))
         if cls is not None:
