@@ -43,20 +43,25 @@ class Env(Mapping):
     def __contains__(self, key: object) -> bool:
         return key in self.local or key in self.base
 
+    # Whole-map reads build the merged dict in C: far faster than a loop here, and not kept, so
+    # the memory stays shared.
+    def _flat(self) -> dict[Any, Any]:
+        return {**self.base, **self.local} if self.local else self.base
+
     def __iter__(self) -> Iterator[Any]:
-        yield from self.base
-        for key in self.local:
-            if key not in self.base:
-                yield key
+        return iter(self._flat())
 
     def __len__(self) -> int:
-        return len(self.base) + sum(1 for key in self.local if key not in self.base)
+        return len(self._flat())
+
+    def keys(self):  # type: ignore[override]
+        return self._flat().keys()
 
     def values(self):  # type: ignore[override]
-        return [self[key] for key in self]
+        return self._flat().values()
 
     def items(self):  # type: ignore[override]
-        return [(key, self[key]) for key in self]
+        return self._flat().items()
 
     # changing --------------------------------------------------------------------------------
     def bind(self, key: Any, value: Any) -> Env:

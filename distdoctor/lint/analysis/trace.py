@@ -85,6 +85,11 @@ MAX_DEPTH = 6
 
 
 MAX_STEPS = 20000
+# The steps all the traces of a file may reach before calls made inside functions are no longer
+# inlined: each function is the root of at most one trace and runs its own body once, so the work
+# stays linear in the size of the file. Beyond it a call is not followed (its value is unknown,
+# and the rules that needed it stay silent), as for a call nested deeper than MAX_DEPTH.
+MAX_INLINED_STEPS = 30000
 
 
 _TERMINATORS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
@@ -97,6 +102,7 @@ class _Builder:
         self.env: Env = Env()
         self.frame_ids = itertools.count()
         self.inlined: set[int] = set()  # id() of function defs entered
+        self.spent = [0]  # steps of the file's earlier traces, shared by its builders
 
     # statements ------------------------------------------------------------------------------
     def run_block(
@@ -271,6 +277,8 @@ class _Builder:
     def enter(self, function, cls, self_value, call, caller, loops, guards, results, skip_first):
         if id(function) in {id(f.function) for f in caller.chain()} or caller.depth >= MAX_DEPTH:
             return self_value
+        if caller.function is not None and self.spent[0] + len(self.steps) + len(function.body.body) > MAX_INLINED_STEPS:
+            return self_value  # over budget: the call stays opaque, as one too deep does
         self.inlined.add(id(function))
         frame = Frame(function, cls, caller, call, next(self.frame_ids))
         self.bind_params(function, call, frame, caller, results, skip_first)
@@ -351,6 +359,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
     module_frame = Frame(None, None, None, None, next(builder.frame_ids))
     builder.run_block(ctx.module, ctx.module.body, module_frame, (), ())
     traces = [Trace(ctx.module, builder.steps, ctx)]
+    builder.spent[0] += len(builder.steps)
     module_env = builder.env
     reached = set(builder.inlined)
 
@@ -365,6 +374,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
         root = _Builder(ctx)
         root.env = module_env.copy()
         root.frame_ids = builder.frame_ids
+        root.spent = builder.spent
         frame = Frame(None, cls, None, None, next(builder.frame_ids))
         if cls is not None:
             instance = Value(INSTANCE, cls, attrs={"class": cls.name.value})
@@ -378,6 +388,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
             fake_call = cst.Call(func=cst.Name(function.name.value))
             root.enter(function, None, None, fake_call, frame, (), (), {}, spawn)
         reached |= root.inlined
+        builder.spent[0] += len(root.steps)
         traces.append(Trace(function, root.steps, ctx))
     return traces
 
