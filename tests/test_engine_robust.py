@@ -75,6 +75,15 @@ def test_too_large_file_is_dd000(monkeypatch):
     assert codes(result) == ["DD000"] and "too large" in result.findings[0].message
 
 
+def test_large_file_no_rule_reads_is_only_syntax_checked(monkeypatch):
+    monkeypatch.setattr(guard, "MAX_BYTES", 1000)
+    assert lint_text("x = 1\n" * 400).findings == ()
+    broken = lint_text("x = 1\n" * 400 + "y = (\n")
+    assert codes(broken) == ["DD000"] and broken.findings[0].line == 401
+    monkeypatch.setattr(guard, "MAX_CHECK_BYTES", 1000)
+    assert lint_text("x = 1\n" * 400 + "y = (\n").findings == ()  # too large to check: silent
+
+
 @pytest.mark.parametrize(
     "text",
     ["x = (1)\n", "x = f(a[0], {'k': b.c})\n", "s = 'a(((' + \"]]]\"\n", "t = '''\n((((\n'''\n", "# ((((\n"],

@@ -6,7 +6,6 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 
 from __future__ import annotations
 
-import ast
 import codecs
 import difflib
 import hashlib
@@ -18,6 +17,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -98,23 +98,26 @@ def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
 
 def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
     relevant = PREFILTER.search(source) is not None
-    too_large = guard.too_large(source)
-    if too_large is not None:
-        return FileResult(path, (_dd000(path, too_large, 1, 1),))
+    python_error: Exception | None = None
     if not relevant:
-        # No rule can fire, but a file that does not parse is still reported. CPython's own parser
-        # is fast and safe on any input; libcst confirms (it reads syntax newer than this Python).
-        error = _python_syntax_error(source)
-        if error is None:
+        # No rule can fire, but a file that does not parse is still reported. CPython's compiler
+        # is fast and safe on any input (it has its own depth limits); libcst confirms a failure,
+        # as it reads syntax newer than the running Python.
+        if len(source) > guard.MAX_CHECK_BYTES:
+            return FileResult(path, ())
+        python_error = _python_syntax_error(source)
+        if python_error is None:
             _, unused = _suppress([], source, path)  # every suppression here is unused
             return FileResult(path, (), unused)
-    reason = guard.too_deep(source)
+    reason = guard.too_deep_or_large(source)
     if reason is not None:
+        if python_error is not None:
+            return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
         return FileResult(path, (_dd000(path, reason, 1, 1),))
     try:
         module = cst.parse_module(source)
     except Exception as exc:  # ParserSyntaxError, or whatever else libcst raises on odd input
-        return FileResult(path, (_syntax_finding(path, source, exc),))
+        return FileResult(path, (_syntax_finding(path, source, exc, python_error),))
     if not relevant:
         return FileResult(path, ())
     try:
@@ -158,18 +161,23 @@ def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rul
 
 
 def _python_syntax_error(source: str) -> Exception | None:
-    """CPython's verdict on `source`: None when it parses, else the exception."""
+    """CPython's verdict on `source`: None when it compiles, else the exception. Compiling (never
+    running) is faster than `ast.parse` and keeps no tree; it also reports what only the compiler
+    refuses (`return` outside a function), which Python would refuse too."""
     try:
-        ast.parse(source)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences and the like: not ours to say
+            compile(source, "<distdoctor>", "exec", dont_inherit=True)
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
         return exc
     return None
 
 
-def _syntax_finding(path: str, source: str, exc: Exception) -> Finding:
+def _syntax_finding(path: str, source: str, exc: Exception, python_error: Exception | None = None) -> Finding:
     """DD000 for a file libcst cannot parse. CPython's message and position are the clearer ones
     (libcst puts every tokenizer error at 1:1), so they are used whenever CPython also fails."""
-    python_error = _python_syntax_error(source)
+    if python_error is None:
+        python_error = _python_syntax_error(source)
     if isinstance(python_error, SyntaxError) and python_error.lineno:
         message = python_error.msg
         line, column = python_error.lineno, max(python_error.offset or 1, 1)
