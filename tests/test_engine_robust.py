@@ -45,9 +45,10 @@ def lint_text(source: str, path: str = "t.py") -> engine.FileResult:
 
 
 def test_brackets_deeper_than_python_allows_are_dd000_before_parsing():
-    result = lint_text(DIST + "x = " + "(" * 2000 + "1" + ")" * 2000 + "\n" + HARDCODED)
+    result = lint_text(DIST + "x = 1\n" + "x = " + "(" * 2000 + "1" + ")" * 2000 + "\n" + HARDCODED)
     assert codes(result) == ["DD000"]
     assert "too many nested brackets (2000 levels" in result.findings[0].message
+    assert result.findings[0].line == 3  # where the nesting goes too deep
     deep_list = lint_text(DIST + "x = " + "[" * 600 + "]" * 600 + "\n")
     assert codes(deep_list) == ["DD000"] and "600 levels" in deep_list.findings[0].message
 

@@ -109,11 +109,12 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
         if python_error is None:
             _, unused = _suppress([], source, path)  # every suppression here is unused
             return FileResult(path, (), unused)
-    reason = guard.too_deep_or_large(source)
-    if reason is not None:
+    refused = guard.too_deep_or_large(source)
+    if refused is not None:
         if python_error is not None:
             return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
-        return FileResult(path, (_dd000(path, reason, 1, 1),))
+        reason, line = refused
+        return FileResult(path, (_dd000(path, reason, line, 1),))
     try:
         module = cst.parse_module(source)
     except Exception as exc:  # ParserSyntaxError, or whatever else libcst raises on odd input

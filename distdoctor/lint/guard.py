@@ -56,9 +56,11 @@ _TOKEN = re.compile(
 )
 
 
-def too_deep_or_large(source: str) -> str | None:
-    """Why `source` must not reach the parser (too large, too deeply nested), or None."""
-    return too_large(source) or too_deep(source)
+def too_deep_or_large(source: str) -> tuple[str, int] | None:
+    """Why `source` must not reach the parser (too large, too deeply nested) and the line where
+    that shows, or None."""
+    large = too_large(source)
+    return (large, 1) if large is not None else too_deep(source)
 
 
 def too_large(source: str) -> str | None:
@@ -69,20 +71,31 @@ def too_large(source: str) -> str | None:
     return None
 
 
-def too_deep(source: str) -> str | None:
-    """Why `source` is nested too deeply to parse, or None."""
+def too_deep(source: str) -> tuple[str, int] | None:
+    """Why `source` is nested too deeply to parse and the line where it first goes too deep, or
+    None."""
     brackets, depth = nesting(source)
+    if brackets <= MAX_BRACKETS and depth <= MAX_DEPTH:
+        return None
+    where = first_too_deep(source)
+    line = source.count("\n", 0, where) + 1
     if brackets > MAX_BRACKETS:
-        return (
-            f"too many nested brackets ({brackets} levels; Python itself allows {MAX_BRACKETS}), "
-            "not analysed"
-        )
-    if depth > MAX_DEPTH:
-        return f"expression nested too deeply to analyse (about {depth} levels; the limit is {MAX_DEPTH})"
-    return None
+        return f"too many nested brackets ({brackets} levels; Python itself allows {MAX_BRACKETS}), not analysed", line
+    return f"expression nested too deeply to analyse (about {depth} levels; the limit is {MAX_DEPTH})", line
+
+
+def first_too_deep(source: str) -> int:
+    """The offset in `source` where the nesting first goes over a limit (0 if it never does)."""
+    return _scan(source, stop=True)[2]
 
 
 def nesting(source: str) -> tuple[int, int]:
+    """The deepest bracket nesting and the estimated depth of the deepest expression."""
+    brackets, depth, _ = _scan(source, stop=False)
+    return brackets, depth
+
+
+def _scan(source: str, stop: bool) -> tuple[int, int, int]:
     """The deepest bracket nesting and the estimated deepest expression, in one pass.
 
     An f-string is not skipped like other strings: the expressions in its braces are code, so its
@@ -125,7 +138,9 @@ def nesting(source: str) -> tuple[int, int]:
             chained = 0
         elif not stack:  # end of a logical line
             total = chained = 0
-    return max_brackets, max_depth
+        if stop and (max_brackets > MAX_BRACKETS or max_depth > MAX_DEPTH):
+            return max_brackets, max_depth, match.start()
+    return max_brackets, max_depth, 0
 
 
 def _bracket_depth(text: str) -> int:
