@@ -587,7 +587,8 @@ def lint(
     codes = tuple(rule.code for rule in rules)
     workers = jobs if jobs is not None else default_jobs()
     needs_parse = [job for job in pending if PREFILTER.search(job[1])]
-    if workers > 1 and len(needs_parse) >= PARALLEL_THRESHOLD:
+    # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
+    if workers > 1 and (len(needs_parse) >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
         fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
         fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
