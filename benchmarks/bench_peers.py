@@ -135,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{path}: no such file or directory")
 
     files, lines = count_files(paths)
-    print(f"{files} files, {lines} lines, {args.runs} cold runs per tool, {os.cpu_count()} CPUs")
+    print(f"{files} files, {lines} lines, {args.runs} cold runs per tool, {os.cpu_count()} CPUs", flush=True)
     commands = tool_commands(args, paths)
     measures: dict[str, list[Measure]] = {tool: [] for tool in commands}
-    for _ in range(args.runs):
+    for run in range(1, args.runs + 1):
         for tool, command in commands.items():
-            measures[tool].append(run_measured(command))
+            measure = run_measured(command)
+            measures[tool].append(measure)
+            print(f"  run {run} {tool:<11} wall {measure.wall:7.2f} s  CPU {measure.cpu:7.2f} s  peak {measure.peak_mb:5.0f} MB", flush=True)
 
     medians = {
         tool: (statistics.median(m.wall for m in ms), statistics.median(m.cpu for m in ms), max(m.peak_mb for m in ms))
