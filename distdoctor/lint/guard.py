@@ -173,16 +173,22 @@ def run_with_deep_stack(function: Callable[..., T], *args: object) -> T:
         except BaseException as exc:  # handed to the caller, which decides
             outcome.append((False, exc))
 
-    previous_limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(previous_limit, RECURSION_LIMIT))
-    try:
-        with _stack_lock:
+    thread = threading.Thread(target=target, name="distdoctor-lint", daemon=True)
+    with _stack_lock:
+        try:
             previous_size = threading.stack_size(STACK_BYTES)
-            try:
-                thread = threading.Thread(target=target, name="distdoctor-lint", daemon=True)
-                thread.start()
-            finally:
-                threading.stack_size(previous_size)
+        except (ValueError, RuntimeError):  # a platform that will not give the stack
+            return function(*args)
+        previous_limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(previous_limit, RECURSION_LIMIT))
+        try:
+            thread.start()
+        except RuntimeError:  # no thread (address space limits): the normal stack and limit
+            sys.setrecursionlimit(previous_limit)
+            return function(*args)
+        finally:
+            threading.stack_size(previous_size)
+    try:
         thread.join()
     finally:
         sys.setrecursionlimit(previous_limit)
