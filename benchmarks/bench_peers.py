@@ -84,7 +84,7 @@ def tool_commands(args: argparse.Namespace, paths: list[str]) -> dict[str, list[
         commands["ruff"] = [ruff, "check", "--select", "ALL", "--no-cache", "--exit-zero", "--quiet", "--isolated", *paths]
     else:
         print("bench_peers: ruff not found (pip install ruff, or --ruff PATH): compared with nothing", file=sys.stderr)
-    torchfix = args.torchfix or shutil.which("torchfix") or _beside_python("torchfix")
+    torchfix = None if args.no_torchfix else args.torchfix or shutil.which("torchfix") or _beside_python("torchfix")
     if torchfix:
         commands["torchfix"] = [torchfix, "--select", "ALL", *paths]
     else:
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, help="distdoctor's -j (default: its own)")
     parser.add_argument("--ruff", help="ruff executable")
     parser.add_argument("--torchfix", help="TorchFix executable (in its own environment)")
+    parser.add_argument("--no-torchfix", action="store_true", help="leave TorchFix out (it takes minutes on all of torch)")
     parser.add_argument("--slowest", type=int, default=10, help="how many of distdoctor's slowest files to show")
     args = parser.parse_args(argv)
     if args.runs < 1:
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         if not Path(path).exists():
             parser.error(f"{path}: no such file or directory")
+    for tool in (args.ruff, args.torchfix):
+        if tool and not shutil.which(tool):
+            parser.error(f"{tool}: not an executable")
 
     files, lines = count_files(paths)
     print(f"{files} files, {lines} lines, {args.runs} cold runs per tool, {os.cpu_count()} CPUs", flush=True)
