@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torchfix", help="TorchFix executable (in its own environment)")
     parser.add_argument("--no-torchfix", action="store_true", help="leave TorchFix out (it takes minutes on all of torch)")
     parser.add_argument("--slowest", type=int, default=10, help="how many of distdoctor's slowest files to show")
+    parser.add_argument("--rank-files", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rank_files:
+        for path, _ in slowest_files(args.paths, args.rank_files):
+            print(path)
+        return 0
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     paths = args.paths or [str(torch_sources())]
@@ -166,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.slowest > 0:
         print(f"\nslowest files for distdoctor (alone, fresh process; CPU s, peak MB; ruff CPU s):")
         ruff = commands.get("ruff")
-        for path, _ in slowest_files(paths, args.slowest):
+        # Ranked in a child: a process forked from a large one starts with its peak memory.
+        ranking = subprocess.run(
+            [sys.executable, __file__, "--rank-files", str(args.slowest), *paths],
+            capture_output=True, text=True, check=True,
+        ).stdout.splitlines()
+        for path in ranking:
             alone = run_measured([sys.executable, "-m", "distdoctor", "lint", "--select", "ALL", "--no-cache", "--exit-zero", "-q", path])
             peer = run_measured([*ruff[:-len(paths)], path]) if ruff else None
             print(f"  {alone.cpu:6.2f} s {alone.peak_mb:6.0f} MB   ruff {peer.cpu if peer else float('nan'):5.2f} s   {path}")
