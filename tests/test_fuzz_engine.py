@@ -14,11 +14,14 @@ import textwrap
 
 import libcst as cst
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from distdoctor.lint import engine, guard
-from distdoctor.lint.rule import all_rules
+pytest.importorskip("hypothesis")  # a test dependency; hypothesmith is optional (skipped without)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from distdoctor.lint import engine, guard  # noqa: E402
+from distdoctor.lint.rule import all_rules  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISTDOCTOR_FUZZ_EXAMPLES", "10"))
 FUZZ = settings(
