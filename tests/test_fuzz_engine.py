@@ -129,9 +129,10 @@ SHAPES = {
 def test_deep_input_is_linted_or_refused_never_a_crash(shape, depth, indent, inner):
     """Any nesting, up to ten times what crashes libcst, inside up to 60 blocks: the file is either
     analysed (the finding on the last line survives) or refused with DD000 and a reason."""
-    if shape == inner == "fstring":
-        inner = "paren"  # an f-string in an f-string with the same quotes is not Python 3.11
-    expression = SHAPES[shape](depth).replace("1", SHAPES[inner](min(depth, 40)), 1)
+    if shape == "fstring" and inner in ("fstring", "strings"):
+        inner = "paren"  # a string in an f-string with the same quotes is not Python 3.11
+    # In brackets: `-lambda: 1` is not Python, `-(lambda: 1)` is.
+    expression = SHAPES[shape](depth).replace("1", "(" + SHAPES[inner](min(depth, 40)) + ")", 1)
     blocks = "".join(" " * i + "if x:\n" for i in range(indent))
     source = HEADER + blocks + " " * indent + "y = " + expression + "\n" + "dist.init_process_group('nccl', rank=0, world_size=2)\n"
     result = engine.lint_source(source, "deep.py", all_rules())
