@@ -32,3 +32,20 @@ class _CheckoutCatalogs:
 _checkout = Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "rules" / "__init__.py").is_file():
     sys.meta_path.append(_CheckoutCatalogs(_checkout))
+
+
+def __getattr__(name: str):
+    """`distdoctor.lint` (callable: `distdoctor.lint(paths) -> list[Finding]`) and
+    `distdoctor.Finding`, imported when first used so that `import distdoctor` stays cheap."""
+    if name == "lint":
+        import distdoctor.lint as lint
+
+        return lint
+    if name == "Finding":
+        from distdoctor.lint.finding import Finding
+
+        return Finding
+    raise AttributeError(f"module 'distdoctor' has no attribute {name!r}")
+
+
+__all__ = ["Finding", "__version__", "lint"]

@@ -6,11 +6,13 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 FORMATS = ("text", "json", "sarif", "github")
 
 
@@ -45,8 +47,10 @@ def _codes(values: tuple[str, ...]) -> tuple[str, ...] | None:
 @click.option("--stdin-filename", help="Lint standard input, reported under this name.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Use this pyproject.toml.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write .distdoctor_cache/.")
-@click.option("--report-unused-noqa", is_flag=True, help="Report suppression comments that matched nothing.")
-def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_zero, statistics, show_source, quiet, stdin_filename, config_path, no_cache, report_unused_noqa):
+@click.option("--report-unused-noqa", is_flag=True, help="Report suppression comments that matched nothing (as DD900 findings).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Processes to lint with (default: the CPUs, at most 8).")
+@click.option("--force-exclude", is_flag=True, help="Apply `exclude` to files named on the command line too (for pre-commit).")
+def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_zero, statistics, show_source, quiet, stdin_filename, config_path, no_cache, report_unused_noqa, jobs, force_exclude):
     """Lint training scripts: files, folders (default .), or - for standard input."""
     from distdoctor.lint.config import ConfigError, load_config
 
@@ -64,12 +68,20 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
     except ConfigError as exc:
         raise Abort(str(exc)) from None
 
+    show = _Show(output_format, quiet, statistics, show_source, report_unused_noqa)
     try:
         if use_stdin:
-            status = _lint_stdin(stdin_filename or "-", rules, config, output_format, fix, diff, quiet, statistics, show_source)
+            if force_exclude and stdin_filename and config.is_excluded(Path(stdin_filename)):
+                status = EXIT_CLEAN
+            else:
+                status = _lint_stdin(stdin_filename or "-", rules, config, fix, diff, show)
         else:
-            status = _lint_paths(paths or (".",), config, output_format, fix, diff, quiet, statistics, show_source, report_unused_noqa)
-    except (KeyboardInterrupt, BrokenPipeError):
+            status = _lint_paths(paths or (".",), config, fix, diff, show, jobs, force_exclude)
+    except KeyboardInterrupt:
+        # The workers are stopped by the engine; no traceback, the shell's status for SIGINT.
+        click.echo("distdoctor: interrupted", err=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
         raise SystemExit(EXIT_ERROR) from None
     except Exception as exc:  # never a traceback for the user; DISTDOCTOR_DEBUG=1 shows it
         if os.environ.get("DISTDOCTOR_DEBUG"):
@@ -80,12 +92,29 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
     sys.exit(status)
 
 
-def _emit(findings, files, output_format, quiet, statistics, show_source, sources=None) -> None:
+@dataclass(frozen=True)
+class _Show:
+    """How the findings are printed."""
+
+    output_format: str
+    quiet: bool
+    statistics: bool
+    show_source: bool
+    report_unused_noqa: bool
+
+
+def _emit(findings, files, show: _Show, sources=None) -> None:
     from distdoctor.lint import output as report
 
-    if statistics:
-        if findings:
-            click.echo(report.format_statistics(findings))
+    output_format = show.output_format
+    if show.statistics:
+        # Counts per code instead of the findings, in the format asked for.
+        if output_format == "json":
+            click.echo(report.format_statistics_json(findings))
+        elif output_format == "sarif":
+            click.echo(report.format_sarif(findings, statistics=True))
+        elif findings:
+            click.echo(report.format_statistics_github(findings) if output_format == "github" else report.format_statistics(findings))
         return
     if output_format == "json":
         click.echo(report.format_json(findings))
@@ -96,17 +125,26 @@ def _emit(findings, files, output_format, quiet, statistics, show_source, source
             click.echo(report.format_github(findings))
     else:
         if findings:
-            click.echo(report.format_text(findings, show_source=show_source, sources=sources))
-        if not quiet:
+            click.echo(report.format_text(findings, show_source=show.show_source, sources=sources))
+        if not show.quiet:
             click.echo(report.summary_line(findings, files))
 
 
-def _lint_stdin(name, rules, config, output_format, fix, diff, quiet, statistics, show_source) -> int:
-    from distdoctor.lint.engine import fix_source, lint_source
+def _with_unused_noqa(findings, unused, show: _Show) -> list:
+    """The findings, plus one DD900 finding per unused suppression when they are asked for."""
+    if not show.report_unused_noqa or not unused:
+        return list(findings)
+    from distdoctor.lint.engine import unused_noqa_finding
+
+    return sorted([*findings, *(unused_noqa_finding(u) for u in unused)], key=lambda f: f.sort_key)
+
+
+def _lint_stdin(name, rules, config, fix, diff, show: _Show) -> int:
+    from distdoctor.lint.engine import fix_text, lint_source
 
     source = sys.stdin.read()
     if fix or diff:
-        fixed, _ = fix_source(source, name, rules)
+        fixed, _ = fix_text(source, name, rules)
         if diff:
             click.echo(_unified(source, fixed, name), nl=False)
             return EXIT_FINDINGS if fixed != source else EXIT_CLEAN
@@ -115,14 +153,15 @@ def _lint_stdin(name, rules, config, output_format, fix, diff, quiet, statistics
     result = lint_source(source, name, rules)
     ignored = config.ignored_for(name)
     findings = [f for f in result.findings if not any(f.code.startswith(c) for c in ignored)]
-    _emit(findings, 1, output_format, quiet, statistics, show_source, {name: source.splitlines(keepends=True)})
+    findings = _with_unused_noqa(findings, result.unused_noqa, show)
+    _emit(findings, 1, show, {name: source.splitlines(keepends=True)})
     return EXIT_FINDINGS if findings else EXIT_CLEAN
 
 
-def _lint_paths(paths, config, output_format, fix, diff, quiet, statistics, show_source, report_unused_noqa) -> int:
-    from distdoctor.lint.engine import fix_source, lint, read_source, write_atomically
+def _lint_paths(paths, config, fix, diff, show: _Show, jobs, force_exclude) -> int:
+    from distdoctor.lint.engine import fix_file, lint
 
-    result = lint(list(paths), config)
+    result = lint(list(paths), config, jobs=jobs, force_exclude=force_exclude)
     errors = list(result.errors)
     if fix or diff:
         rules = config.selected_rules()
@@ -132,42 +171,39 @@ def _lint_paths(paths, config, output_format, fix, diff, quiet, statistics, show
             path = Path(shown)
             if path.suffix == ".ipynb":
                 continue  # notebooks are reported, never rewritten
-            original = read_source(path)
-            fixed, applied = fix_source(original, shown, rules)
-            if fixed == original:
+            outcome = fix_file(path, rules, write=not diff)
+            if outcome is None:
                 continue
             changed += 1
             if diff:
-                click.echo(_unified(original, fixed, shown), nl=False)
+                click.echo(outcome.diff, nl=False)
             else:
-                write_atomically(path, fixed)
-                click.echo(f"distdoctor: fixed {applied} finding{'s' if applied != 1 else ''} in {shown}", err=True)
+                click.echo(f"distdoctor: fixed {outcome.applied} finding{'s' if outcome.applied != 1 else ''} in {shown}", err=True)
         if diff:
             for error in errors:
                 click.echo(f"distdoctor: error: {error}", err=True)
             return EXIT_ERROR if errors else (EXIT_FINDINGS if changed else EXIT_CLEAN)
         if changed:
-            result = lint(list(paths), config)
+            result = lint(list(paths), config, jobs=jobs, force_exclude=force_exclude)
+    findings = _with_unused_noqa(result.findings, result.unused_noqa, show)
     sources = None
-    if show_source:
+    if show.show_source:
+        from distdoctor.lint.engine import read_source
+
         sources = {}
-        for f in result.findings:
+        for f in findings:
             if f.path not in sources:
                 try:
                     sources[f.path] = read_source(Path(f.path)).splitlines(keepends=True)
-                except (OSError, ValueError):
+                except Exception:
                     sources[f.path] = []
     for error in errors:
         click.echo(f"distdoctor: error: {error}", err=True)
-    quiet = quiet or (bool(errors) and result.files == 0)
-    _emit(list(result.findings), result.files, output_format, quiet, statistics, show_source, sources)
-    if report_unused_noqa:
-        for unused in result.unused_noqa:
-            what = ", ".join(unused.codes) if unused.codes else "everything (bare noqa)"
-            click.echo(f"{unused.path}:{unused.line}: unused suppression of {what}", err=True)
+    quiet = show.quiet or (bool(errors) and result.files == 0)
+    _emit(findings, result.files, replace(show, quiet=quiet), sources)
     if errors:
         return EXIT_ERROR
-    return EXIT_FINDINGS if result.findings or (report_unused_noqa and result.unused_noqa) else EXIT_CLEAN
+    return EXIT_FINDINGS if findings else EXIT_CLEAN
 
 
 def _unified(before: str, after: str, name: str) -> str:

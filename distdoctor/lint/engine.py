@@ -6,25 +6,32 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 
 from __future__ import annotations
 
+import codecs
+import difflib
 import hashlib
 import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
+import threading
+import traceback
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import libcst as cst
 
 from distdoctor import __version__
+from distdoctor.lint import guard
 from distdoctor.lint.analysis import syntax
 from distdoctor.lint.config import Config
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Finding
 from distdoctor.lint.rule import Rule, all_rules
+from distdoctor.lint.workers import run_supervised
 
 # A file that says none of these words cannot trigger any rule: answer it without parsing.
 PREFILTER = re.compile(
@@ -43,7 +50,11 @@ NOQA = re.compile(
     re.IGNORECASE,
 )
 SYNTAX_ERROR = ("DD000", "syntax-error")
+INTERNAL_ERROR = ("DD000", "internal-error")
+UNUSED_NOQA = ("DD900", "unused-noqa")  # only with --report-unused-noqa
 PARALLEL_THRESHOLD = 16
+# Part of the cache key: a change in what the engine reports for the same text and rules.
+ENGINE_REVISION = "2"
 MAX_FIX_PASSES = 5
 
 
@@ -76,15 +87,40 @@ class LintResult:
 
 
 def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
-    """Findings of `rules` in `source`, after `# noqa` suppression."""
-    if not PREFILTER.search(source):
-        return FileResult(path, ())
+    """Findings of `rules` in `source`, after `# noqa` suppression. Never raises: a file that
+    cannot be parsed is a DD000 finding, a failure inside the engine or a rule a DD000 finding that
+    says so; the other files of a run are not affected."""
+    try:
+        return guard.run_with_deep_stack(_lint_text, source, path, rules)
+    except Exception as exc:  # a defect of the engine itself, outside any one rule
+        return FileResult(path, (_internal_finding(path, "the engine", exc),))
+
+
+def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
+    relevant = PREFILTER.search(source) is not None
+    python_error: Exception | None = None
+    if not relevant:
+        # No rule can fire, but a file that does not parse is still reported. CPython's compiler
+        # is fast and safe on any input (it has its own depth limits); libcst confirms a failure,
+        # as it reads syntax newer than the running Python.
+        if len(source) > guard.MAX_CHECK_BYTES:
+            return FileResult(path, ())
+        python_error = _python_syntax_error(source)
+        if python_error is None:
+            _, unused = _suppress([], source, path)  # every suppression here is unused
+            return FileResult(path, (), unused)
+    refused = guard.too_deep_or_large(source)
+    if refused is not None:
+        if python_error is not None:
+            return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
+        reason, line = refused
+        return FileResult(path, (_dd000(path, reason, line, 1),))
     try:
         module = cst.parse_module(source)
-    except cst.ParserSyntaxError as exc:
-        return FileResult(path, (_syntax_finding(path, exc),))
-    except (RecursionError, ValueError) as exc:  # pathological input
-        return FileResult(path, (_syntax_finding(path, exc),))
+    except Exception as exc:  # ParserSyntaxError, or whatever else libcst raises on odd input
+        return FileResult(path, (_syntax_finding(path, source, exc, python_error),))
+    if not relevant:
+        return FileResult(path, ())
     try:
         return _lint_module(path, source, module, rules)
     finally:
@@ -96,8 +132,13 @@ def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rul
     raw: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
     for rule in rules:
-        for report in rule.check(ctx):
-            pos = ctx.position(report.node)
+        try:
+            reports = list(rule.check(ctx))
+            located = [(report, ctx.position(report.node)) for report in reports]
+        except Exception as exc:  # one rule's defect must not hide the file or the other rules
+            raw.append(_internal_finding(path, rule.code, exc))
+            continue
+        for report, pos in located:
             key = (rule.code, pos.start.line, pos.start.column)
             if key in seen:
                 continue
@@ -120,16 +161,65 @@ def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rul
     return FileResult(path, tuple(sorted(kept, key=lambda f: f.sort_key)), unused)
 
 
-def _syntax_finding(path: str, exc: Exception) -> Finding:
-    line = getattr(exc, "raw_line", None) or getattr(exc, "lineno", None) or 1
-    column = (getattr(exc, "raw_column", None) or 0) + 1
-    message = getattr(exc, "message", None) or str(exc).splitlines()[0]
+def _python_syntax_error(source: str) -> Exception | None:
+    """CPython's verdict on `source`: None when it compiles, else the exception. Compiling (never
+    running) is faster than `ast.parse` and keeps no tree; it also reports what only the compiler
+    refuses (`return` outside a function), which Python would refuse too."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences and the like: not ours to say
+            compile(source, "<distdoctor>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
+        return exc
+    return None
+
+
+def _syntax_finding(path: str, source: str, exc: Exception, python_error: Exception | None = None) -> Finding:
+    """DD000 for a file libcst cannot parse. CPython's message and position are the clearer ones
+    (libcst puts every tokenizer error at 1:1), so they are used whenever CPython also fails."""
+    if python_error is None:
+        python_error = _python_syntax_error(source)
+    if isinstance(python_error, SyntaxError) and python_error.lineno:
+        message = python_error.msg
+        line, column = python_error.lineno, max(python_error.offset or 1, 1)
+    elif isinstance(python_error, (RecursionError, MemoryError)):
+        message, line, column = "too deeply nested for Python's own parser", 1, 1
+    else:
+        raw = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        # libcst's "parser error: error at 3:4: expected ..." carries a position of its own,
+        # which disagrees with raw_line/raw_column: drop it and report the one we use.
+        message = re.sub(r"^(?:parser|tokenizer) error: (?:error at \d+:\d+: )?", "", raw.splitlines()[0])
+        line = getattr(exc, "raw_line", None) or 1
+        column = (getattr(exc, "raw_column", None) or 0) + 1
+        if python_error is None:
+            message = f"distdoctor's parser cannot read this syntax ({message})"
     return _dd000(path, f"cannot parse this file: {message}", line, column)
+
+
+def _internal_finding(path: str, where: str, exc: BaseException) -> Finding:
+    """A failure inside distdoctor on this file, reported on the file (DD000) instead of ending
+    the run; DISTDOCTOR_DEBUG=1 prints the traceback."""
+    if os.environ.get("DISTDOCTOR_DEBUG"):
+        traceback.print_exception(exc, file=sys.stderr)
+    what = "the file is too deeply nested" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
+    return Finding(
+        INTERNAL_ERROR[0], INTERNAL_ERROR[1], "error",
+        f"distdoctor could not analyse this file (internal error in {where}: {what}), please report it;"
+        " DISTDOCTOR_DEBUG=1 shows the traceback",
+        path, 1, 1, 1, 1,
+    )
 
 
 def _unreadable_finding(path: str, exc: Exception) -> Finding:
     reason = f"not UTF-8 text ({exc.reason} at byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else str(exc)
     return _dd000(path, f"cannot read this file: {reason}", 1, 1)
+
+
+def unused_noqa_finding(unused: UnusedNoqa) -> Finding:
+    """An unused suppression as a finding (DD900), so that every format reports it."""
+    what = ", ".join(unused.codes) if unused.codes else "everything (bare noqa)"
+    code, name = UNUSED_NOQA
+    return Finding(code, name, "warning", f"unused suppression of {what}", unused.path, unused.line, 1, unused.line, 1)
 
 
 def _dd000(path: str, message: str, line: int, column: int) -> Finding:
@@ -244,6 +334,42 @@ def fix_source(source: str, path: str, rules: Sequence[Rule]) -> tuple[str, int]
     return current, total
 
 
+def fix_text(text: str, path: str, rules: Sequence[Rule]) -> tuple[str, int]:
+    """`fix_source` that keeps the text's line endings: a file whose lines all end in CRLF is fixed
+    with LF endings and given back with CRLF, so the lines a fix inserts match the others."""
+    crlf = "\r\n" in text and text.count("\n") == text.count("\r\n")
+    if not crlf:
+        return fix_source(text, path, rules)
+    fixed, applied = fix_source(text.replace("\r\n", "\n"), path, rules)
+    if applied == 0:
+        return text, 0
+    return fixed.replace("\n", "\r\n"), applied
+
+
+@dataclass(frozen=True)
+class FixOutcome:
+    applied: int
+    diff: str
+
+
+def fix_file(path: Path, rules: Sequence[Rule], *, write: bool) -> FixOutcome | None:
+    """Apply the safe fixes to one file (in place when `write`), keeping its line endings and a
+    UTF-8 byte order mark; None when nothing changes or the file cannot be read."""
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return None
+    fixed, applied = fix_text(text, str(path), rules)
+    if fixed == text:
+        return None
+    if write:
+        bom = "\ufeff" if raw.startswith(codecs.BOM_UTF8) else ""
+        write_atomically(path, bom + fixed)
+    diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), fixed.splitlines(keepends=True), str(path), str(path)))
+    return FixOutcome(applied, diff)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text` in one rename, keeping its permissions."""
     mode = path.stat().st_mode & 0o7777
@@ -273,27 +399,42 @@ def read_source(path: Path) -> str:
 
 
 def notebook_source(text: str) -> str:
-    data = json.loads(text)
+    """The code cells of a notebook's JSON text; ValueError when it is not a notebook."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ValueError("not a notebook: JSON nested too deeply") from None
+    cells = data.get("cells", []) if isinstance(data, dict) else None
+    if not isinstance(cells, list):
+        raise ValueError("not a notebook: no list of cells")
     lines: list[str] = []
-    for cell in data.get("cells", []):
+    for number, cell in enumerate(cells, start=1):
+        if not isinstance(cell, dict):
+            raise ValueError(f"not a notebook: cell {number} is not an object")
         if cell.get("cell_type") != "code":
             continue
         body = cell.get("source", [])
-        body = "".join(body) if isinstance(body, list) else str(body)
+        if isinstance(body, list) and all(isinstance(part, str) for part in body):
+            body = "".join(body)
+        elif not isinstance(body, str):
+            raise ValueError(f"not a notebook: the source of cell {number} is not text")
         for line in body.splitlines():
             lines.append("# " + line if line.lstrip().startswith(("%", "!")) else line)
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def discover(paths: Sequence[str], config: Config) -> tuple[list[Path], list[str]]:
-    """The files to lint, in a stable order, and the errors for paths that do not exist."""
+def discover(paths: Sequence[str], config: Config, *, force_exclude: bool = False) -> tuple[list[Path], list[str]]:
+    """The files to lint, in a stable order, and the errors for paths that do not exist. A path
+    named explicitly is linted even when `exclude` matches it, unless `force_exclude`."""
     files: list[Path] = []
     errors: list[str] = []
     for given in paths:
         path = Path(given)
         if not path.exists():
             errors.append(f"{given}: no such file or directory")
+        elif force_exclude and config.is_excluded(path):
+            continue
         elif path.is_file():
             files.append(path)  # named explicitly: always linted
         else:
@@ -344,6 +485,7 @@ def _git_ignored(folder: Path) -> set[Path]:
 def _cache_key(source: str, rules: Sequence[Rule]) -> str:
     digest = hashlib.sha256()
     digest.update(__version__.encode())
+    digest.update(ENGINE_REVISION.encode())
     digest.update(",".join(rule.code for rule in rules).encode())
     digest.update(b"\0")
     digest.update(source.encode("utf-8", "surrogatepass"))
@@ -394,11 +536,33 @@ def _lint_job(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
     return lint_source(source, path, rules)
 
 
-def lint(paths: Sequence[str], config: Config | None = None, *, jobs: int | None = None) -> LintResult:
-    """Lint files and folders with `config`; the Python entry point behind `distdoctor lint`."""
+def _crashed(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
+    path = job[0]
+    return FileResult(
+        path,
+        (_dd000(path, "cannot parse this file: the process analysing it died (a crash in the parser, "
+                "or out of memory), please report it", 1, 1),),
+    )
+
+
+def default_jobs() -> int:
+    return min(os.cpu_count() or 1, 8)
+
+
+def lint(
+    paths: Sequence[str],
+    config: Config | None = None,
+    *,
+    jobs: int | None = None,
+    force_exclude: bool = False,
+) -> LintResult:
+    """Lint files and folders with `config`; the Python entry point behind `distdoctor lint`.
+
+    `jobs` is the number of processes (default: the CPUs, at most 8); `force_exclude` applies the
+    configured `exclude` patterns to files named explicitly too (as pre-commit names them)."""
     config = config or Config()
     rules = config.selected_rules()
-    files, errors = discover(paths, config)
+    files, errors = discover(paths, config, force_exclude=force_exclude)
     cache = _Cache(config.root if config.cache else None)
     results: list[FileResult] = []
     pending: list[tuple[str, str, str]] = []
@@ -409,8 +573,8 @@ def lint(paths: Sequence[str], config: Config | None = None, *, jobs: int | None
         except PermissionError as exc:
             errors.append(f"{shown}: cannot read: {exc}")
             continue
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            # Not UTF-8 text, or a notebook that is not JSON: like a syntax error, a finding.
+        except Exception as exc:
+            # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
         key = _cache_key(source, rules)
@@ -421,17 +585,16 @@ def lint(paths: Sequence[str], config: Config | None = None, *, jobs: int | None
             pending.append((shown, source, key))
 
     codes = tuple(rule.code for rule in rules)
-    workers = jobs if jobs is not None else min(os.cpu_count() or 1, 8)
+    workers = jobs if jobs is not None else default_jobs()
     needs_parse = [job for job in pending if PREFILTER.search(job[1])]
-    if workers > 1 and len(needs_parse) >= PARALLEL_THRESHOLD:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            fresh = list(pool.map(_lint_job, [(p, s, codes) for p, s, _ in pending], chunksize=8))
+    # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
+    if workers > 1 and (len(needs_parse) >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
+        fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
         fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
     for (_, _, key), result in zip(pending, fresh):
         cache.put(key, result)
         results.append(result)
-
     findings: list[Finding] = []
     unused: list[UnusedNoqa] = []
     # DD000 comes from the engine, not a rule: a file that cannot be read is always reported,

@@ -67,15 +67,33 @@ def format_github(findings: Sequence[Finding]) -> str:
     return "\n".join(out)
 
 
-def format_statistics(findings: Sequence[Finding]) -> str:
+def counts_by_code(findings: Sequence[Finding]) -> list[dict[str, Any]]:
+    """Findings counted per code, most frequent first: code, name, count, fixable."""
     counts = Counter(f.code for f in findings)
-    by_code = {rule.code: rule for rule in all_rules()}
+    names = {f.code: f.name for f in findings}
     fixable_codes = {f.code for f in findings if f.fix is not None}
-    rows = []
-    for code, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
-        name = by_code[code].name if code in by_code else ""
-        rows.append(f"{count:>5}\t{code}\t{'[*] ' if code in fixable_codes else ''}{name}")
-    return "\n".join(rows)
+    return [
+        {"code": code, "name": names[code], "count": count, "fixable": code in fixable_codes}
+        for code, count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    ]
+
+
+def format_statistics(findings: Sequence[Finding]) -> str:
+    return "\n".join(
+        f"{row['count']:>5}\t{row['code']}\t{'[*] ' if row['fixable'] else ''}{row['name']}"
+        for row in counts_by_code(findings)
+    )
+
+
+def format_statistics_json(findings: Sequence[Finding]) -> str:
+    return json.dumps(counts_by_code(findings), indent=2)
+
+
+def format_statistics_github(findings: Sequence[Finding]) -> str:
+    return "\n".join(
+        f"::notice title=distdoctor statistics::{row['count']} {row['code']} {row['name']}"
+        for row in counts_by_code(findings)
+    )
 
 
 def _rule_descriptor(rule: Rule) -> dict[str, Any]:
@@ -104,7 +122,8 @@ def _artifact_location(path: str) -> dict[str, Any]:
     return {"uri": quote(p.as_posix(), safe="/"), "uriBaseId": SRCROOT}
 
 
-def format_sarif(findings: Sequence[Finding]) -> str:
+def format_sarif(findings: Sequence[Finding], *, statistics: bool = False) -> str:
+    """SARIF 2.1.0; with `statistics`, the counts per code also go in the run's properties."""
     rules = all_rules()
     index = {rule.code: i for i, rule in enumerate(rules)}
     results = []
@@ -113,7 +132,6 @@ def format_sarif(findings: Sequence[Finding]) -> str:
         relative = relative or not Path(f.path).is_absolute()
         result: dict[str, Any] = {
             "ruleId": f.code,
-            "ruleIndex": index.get(f.code, 0),
             "level": SARIF_LEVEL[f.severity],
             "message": {"text": f.message},
             "locations": [
@@ -130,6 +148,8 @@ def format_sarif(findings: Sequence[Finding]) -> str:
                 }
             ],
         }
+        if f.code in index:  # DD000 and DD900 come from the engine, not from a listed rule
+            result["ruleIndex"] = index[f.code]
         if f.fix is not None:
             result["fixes"] = [
                 {
@@ -165,6 +185,8 @@ def format_sarif(findings: Sequence[Finding]) -> str:
         },
         "results": results,
     }
+    if statistics:
+        run["properties"] = {"statistics": counts_by_code(findings)}
     if relative:
         # Where %SRCROOT% is; the trailing slash makes the relative URIs resolve inside it.
         try:

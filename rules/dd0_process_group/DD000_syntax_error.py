@@ -10,7 +10,11 @@ from distdoctor.lint.rule import Report, Rule
 class SyntaxErrorRule(Rule):
     """
     ## What it does
-    Reports a file that distdoctor cannot parse as Python, at the place the parser stopped.
+    Reports a file that distdoctor cannot parse as Python, at the place and with the message
+    Python's own parser gives. The same code reports a file it will not hand to its parser (nested
+    deeper than the parser can take, or too large, with the reason), a file that is not UTF-8 text
+    or not a notebook, and, named `internal-error`, a file on which a rule failed: that one is a
+    bug in distdoctor, please report it (`DISTDOCTOR_DEBUG=1` shows the traceback).
 
     ## Why is this bad?
     No other rule can look at a file that does not parse, so its distributed bugs go unseen.

@@ -100,13 +100,28 @@ class LintContext:
     def calls(self, *qualnames: str, suffix: str | None = None) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """Calls on the code path to any of `qualnames` (or whose qualified name ends with
         `.suffix`), with their trace and step."""
+        calls, positions = self._qualified_calls
+        wanted: list[int] = []
+        for qual, where in positions.items():
+            if qual in qualnames or (suffix is not None and qual.endswith("." + suffix)):
+                wanted.extend(where)
+        for index in sorted(wanted):
+            yield calls[index]
+
+    @cached_property
+    def _qualified_calls(self) -> tuple[list[tuple[Trace, Step, cst.Call]], dict[str, list[int]]]:
+        """Every call on the code path whose callee has a qualified name, in path order, and the
+        positions of each qualified name's calls: `calls` is asked a dozen times per file, and
+        resolving every callee each time cost more than building the traces."""
+        calls: list[tuple[Trace, Step, cst.Call]] = []
+        positions: dict[str, list[int]] = {}
         for trace in self.traces:
             for step, call in trace.calls():
                 qual = self.qualname(call.func)
-                if qual is None:
-                    continue
-                if qual in qualnames or (suffix is not None and qual.endswith("." + suffix)):
-                    yield trace, step, call
+                if qual is not None:
+                    positions.setdefault(qual, []).append(len(calls))
+                    calls.append((trace, step, call))
+        return calls, positions
 
     def method_calls(self, method: str) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """`<something>.method(...)` calls on the code path, whatever the receiver."""

@@ -45,6 +45,7 @@ class ModuleInfo:
     functions: dict[str, cst.FunctionDef]
     classes: dict[str, cst.ClassDef]
     spawn_targets: dict[str, str]  # function name -> how it is started ("spawn")
+    _methods: dict[int, tuple[cst.ClassDef, dict[str, cst.FunctionDef]]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, module: cst.Module, imports: ImportTable, calls: Sequence[cst.Call] | None = None) -> ModuleInfo:
@@ -62,11 +63,15 @@ class ModuleInfo:
         return info
 
     def methods(self, cls_node: cst.ClassDef) -> dict[str, cst.FunctionDef]:
-        return {
-            stmt.name.value: stmt
-            for stmt in _flat_body(cls_node.body.body)
-            if isinstance(stmt, cst.FunctionDef)
-        }
+        # Asked for every call through `self` and every instance: computed once per class.
+        found = self._methods.get(id(cls_node))
+        if found is None or found[0] is not cls_node:
+            found = self._methods[id(cls_node)] = (cls_node, {
+                stmt.name.value: stmt
+                for stmt in _flat_body(cls_node.body.body)
+                if isinstance(stmt, cst.FunctionDef)
+            })
+        return found[1]
 
     def qualname(self, node: cst.CSTNode) -> str | None:
         return self.imports.qualname(node)

@@ -21,6 +21,7 @@ from typing import Any
 
 import libcst as cst
 
+from distdoctor.lint.analysis.env import Env, merge
 from distdoctor.lint.analysis.evaluate import Evaluator, env_key, lookup
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
@@ -86,6 +87,11 @@ MAX_DEPTH = 6
 
 
 MAX_STEPS = 20000
+# The steps all the traces of a file may reach before calls made inside functions are no longer
+# inlined: each function is the root of at most one trace and runs its own body once, so the work
+# stays linear in the size of the file. Beyond it a call is not followed (its value is unknown,
+# and the rules that needed it stay silent), as for a call nested deeper than MAX_DEPTH.
+MAX_INLINED_STEPS = 30000
 
 
 _TERMINATORS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
@@ -95,10 +101,11 @@ class _Builder:
     def __init__(self, ctx: ModuleInfo) -> None:
         self.ctx = ctx
         self.steps: list[Step] = []
-        self.env: dict[Any, Value] = {}
+        self.env: Env = Env()
         self.frame_ids = itertools.count()
         self.inlined: set[int] = set()  # id() of function defs entered
         self.test_results: dict[int, dict[int, Value | None]] = {}  # id(if) -> its test's call results
+        self.spent = [0]  # steps of the file's earlier traces, shared by its builders
 
     # statements ------------------------------------------------------------------------------
     def run_block(
@@ -190,7 +197,7 @@ class _Builder:
                         # the constant base it had before is no longer what the name holds.
                         named = (dotted(small.target) or "").rsplit(".", 1)[-1] in RANK_NAMES
                         old = Value(RANK, small, origin="arith") if named and isinstance(small.operator, cst.AddAssign) else None
-                self.env = {**self.env, key: new or old or Value(UNKNOWN, small)}
+                self.env = self.env.bind(key, new or old or Value(UNKNOWN, small))
         elif isinstance(small, cst.Return):
             frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
 
@@ -226,7 +233,7 @@ class _Builder:
             value = Value(UNKNOWN, node or target)
         if not value.name and (text := dotted(target)):
             value = replace(value, name=text)
-        self.env = {**self.env, key: value}
+        self.env = self.env.bind(key, value)
 
     # calls -----------------------------------------------------------------------------------
     def inline_calls(self, small, frame, loops, guards) -> dict[int, Value | None]:
@@ -284,6 +291,8 @@ class _Builder:
     def enter(self, function, cls, self_value, call, caller, loops, guards, results, skip_first):
         if id(function) in {id(f.function) for f in caller.chain()} or caller.depth >= MAX_DEPTH:
             return self_value
+        if caller.function is not None and self.spent[0] + len(self.steps) + len(function.body.body) > MAX_INLINED_STEPS:
+            return self_value  # over budget: the call stays opaque, as one too deep does
         self.inlined.add(id(function))
         frame = Frame(function, cls, caller, call, next(self.frame_ids))
         self.bind_params(function, call, frame, caller, results, skip_first)
@@ -301,7 +310,7 @@ class _Builder:
         if skip_first == "spawn":
             # mp.spawn(fn, args=(a, b)): fn(index, a, b); the index is the local rank.
             if params:
-                self.env = {**self.env, ("local", frame.id, params[0].name.value): Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)}
+                self.env = self.env.bind(("local", frame.id, params[0].name.value), Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value))
             extra = keyword(call, "args")
             if extra is None and len(call.args) > 1 and call.args[0].keyword is None and call.args[1].keyword is None:
                 extra = call.args[1].value  # mp.spawn(fn, (a, b), nprocs=n)
@@ -310,7 +319,7 @@ class _Builder:
                 passed = [self.evaluate(el.value, caller, results) for el in extra.elements]
             for param, value in zip(params[1:], passed):
                 if value is not None:
-                    self.env = {**self.env, ("local", frame.id, param.name.value): value}
+                    self.env = self.env.bind(("local", frame.id, param.name.value), value)
             return
         if skip_first and params:
             params = params[1:]
@@ -322,7 +331,7 @@ class _Builder:
                 # `mp.spawn(train, ...)`, does not make the worker's index the constant 0.
                 value = Value(LOCAL_RANK, param, origin="spawn", name=param.name.value)
             if value is not None:
-                self.env = {**self.env, ("local", frame.id, param.name.value): value}
+                self.env = self.env.bind(("local", frame.id, param.name.value), value)
         by_name = {param.name.value for param in [*function.params.params, *function.params.kwonly_params]}
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value in by_name:
@@ -330,7 +339,7 @@ class _Builder:
                 if params and arg.keyword.value == params[0].name.value and not skip_first and function.name.value in self.ctx.spawn_targets and (value is None or not value.is_rank_like):
                     value = Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)  # `fn(rank=0, ...)`
                 if value is not None:
-                    self.env = {**self.env, ("local", frame.id, arg.keyword.value): value}
+                    self.env = self.env.bind(("local", frame.id, arg.keyword.value), value)
 
 
 @dataclass(frozen=True)
@@ -338,20 +347,15 @@ class _NoBody:
     value: Value
 
 
-def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> dict[Any, Value]:
+def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> Env:
     """The state after an if/else: where the branches disagree, keep the value that says more
     about distributed training (`master = rank == 0` in one branch, `master = True` in the
     other, is a rank test), else the first branch's."""
-    merged = dict(second)
-    for key, value in first.items():
-        other = second.get(key)
-        if other is None or other is value:
-            merged[key] = value
-        elif value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST):
-            merged[key] = other
-        else:
-            merged[key] = value
-    return merged
+    return merge(first, second, _more_telling)
+
+
+def _more_telling(value: Value, other: Value) -> Value:
+    return other if value.kind in (UNKNOWN, CONST) and other.kind not in (UNKNOWN, CONST) else value
 
 
 def _ends_block(body: Sequence[cst.CSTNode]) -> bool:
@@ -380,6 +384,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
     module_frame = Frame(None, None, None, None, next(builder.frame_ids))
     builder.run_block(ctx.module, ctx.module.body, module_frame, (), ())
     traces = [Trace(ctx.module, builder.steps, ctx)]
+    builder.spent[0] += len(builder.steps)
     module_env = builder.env
     reached = set(builder.inlined)
 
@@ -392,8 +397,9 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
         if id(function) in reached:
             continue
         root = _Builder(ctx)
-        root.env = dict(module_env)
+        root.env = module_env.copy()
         root.frame_ids = builder.frame_ids
+        root.spent = builder.spent
         frame = Frame(None, cls, None, None, next(builder.frame_ids))
         if cls is not None:
             instance = Value(INSTANCE, cls, attrs={"class": cls.name.value})
@@ -407,6 +413,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
             fake_call = cst.Call(func=cst.Name(function.name.value))
             root.enter(function, None, None, fake_call, frame, (), (), {}, spawn)
         reached |= root.inlined
+        builder.spent[0] += len(root.steps)
         traces.append(Trace(function, root.steps, ctx))
     return traces
 
