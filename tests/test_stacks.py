@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -439,6 +440,14 @@ def fake_proc(tmp_path):
     for r in (0, 1):
         _proc(root, 310 + r, 300, [py, "hvd.py"], {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
                                                     "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234"})
+    # horovodrun's Gloo launcher: a multiprocessing child per slot runs `sh -c env HOROVOD_RANK=... python`
+    _proc(root, 600, 1, [py, "/usr/bin/horovodrun", "-np", "2", "--gloo", "python", "hvd2.py"])
+    for r in (0, 1):
+        _proc(root, 610 + r, 600, [py, "-B", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=14)",
+                                   "--multiprocessing-fork"])
+        _proc(root, 620 + r, 610 + r, ["/bin/sh", "-c", f"env HOROVOD_RANK={r} python hvd2.py"], comm="sh")
+        _proc(root, 630 + r, 620 + r, [py, "hvd2.py"], {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+                                                         "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "9538"})
     _proc(root, 400, 1, [py, "notebook.py"])
     _proc(root, 500, 1, ["/usr/bin/sleep", "100"], comm="sleep")
     return str(root)
@@ -453,6 +462,12 @@ def test_every_job_on_the_machine_is_found(fake_proc):
     assert torchrun.ranks[1].children == [120] and torchrun.agents == [101] and torchrun.world_size == 2
     assert [r.pid for r in by["mp.spawn"].ranks] == [210, 211]
     assert [(r.identity.rank, r.identity.world_size) for r in by["horovod"].ranks] == [(0, 2), (1, 2)]
+
+
+def test_horovodrun_slot_helpers_are_not_an_mp_spawn_job(fake_proc):
+    (job,) = discover.find_jobs([600], root=fake_proc, host="node0")
+    assert job.launcher == "horovod" and [r.pid for r in job.ranks] == [630, 631]
+    assert not any(j.launcher == "mp.spawn" and 610 in [r.pid for r in j.ranks] for j in discover.find_jobs(root=fake_proc, host="node0"))
 
 
 @pytest.mark.parametrize(("pid", "ranks"), [(101, [110, 111]), (110, [110, 111]), (120, [110, 111]), (100, [110, 111]),
@@ -691,9 +706,40 @@ def test_hundreds_of_ranks_are_read_in_bounded_time(tmp_path):
 
 
 @pytest.mark.slow
-def test_horovod_hung_job():
+def test_horovod_hung_job(tmp_path):
     pytest.importorskip("horovod.torch", reason="Horovod is not installed here: run scripts/install-horovod.sh")
-    pytest.skip("a Horovod hung job is not exercised yet: the Horovod ranks are found by HOROVOD_RANK (see the fake /proc test)")
+    if sampler.shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (pip install 'distdoctor[stacks]')")
+    if shutil.which("horovodrun") is None:
+        pytest.skip("horovodrun is not on PATH")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    marker = new_marker()
+    env = marked_env(marker, STACKS_READY_DIR=str(ready), OMP_NUM_THREADS="1", PYTHONPATH=str(FIXTURES))
+    job = subprocess.Popen(["horovodrun", "-np", "2", "--gloo", "-H", "localhost:2", sys.executable,
+                            str(FIXTURES / "horovod_allreduce_one_rank.py")], cwd=tmp_path, env=env,
+                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not all((ready / f"rank{r}").exists() for r in (0, 1)):
+            if job.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the Horovod job did not reach its hang (exit {job.poll()})")
+            time.sleep(0.2)
+        time.sleep(1.5)
+        result, took = _stacks(str(job.pid), "--format", "json", marker=marker)
+        assert took < 10.0, f"the verdict took {took:.1f} s"
+        assert result.returncode == 1, result.stdout + result.stderr
+        (seen,) = json.loads(result.stdout)["jobs"]
+        assert seen["hung"] and seen["world_size"] == 2
+        groups = {tuple(g["ranks"]): g["activity"] for g in seen["groups"]}
+        waiting = groups[(1,)]
+        assert waiting["kind"] == analysis.COLLECTIVE and waiting["op"].startswith("hvd."), waiting
+        assert waiting["user"].split(" in ")[0].endswith(
+            f"horovod_allreduce_one_rank.py:{marker_line('horovod_allreduce_one_rank', 'odd rank 1')}"), waiting
+        assert groups[(0,)]["kind"] == analysis.IDLE, groups[(0,)]
+        assert _alive(job.pid), "the job did not survive being read"
+    finally:
+        _kill(job, marker)
 
 
 # --- Flight Recorder dumps -----------------------------------------------------------------------

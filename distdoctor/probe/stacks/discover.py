@@ -216,8 +216,11 @@ def _ranks(table: dict[int, Proc], host: str) -> tuple[dict[int, Identity], dict
         if identity is not None:
             ids[pid] = identity
     # torch.multiprocessing.spawn children: no rank in the environment; index read from the stack later.
+    # A spawn child above ranks found by their environment is a launcher's helper, not a rank
+    # (horovodrun starts each slot's `sh -c env HOROVOD_RANK=... python` from a multiprocessing child).
+    above_ranks = {ancestor for pid in ids for ancestor in _ancestors(table, pid)}
     for pid, proc in table.items():
-        if pid in ids or not proc.is_python or not proc.is_spawn_child:
+        if pid in ids or pid in above_ranks or not proc.is_python or not proc.is_spawn_child:
             continue
         parent = table.get(proc.ppid)
         if parent is None or proc.ppid in ids or not parent.is_python or parent.is_spawn_child:
