@@ -16,13 +16,15 @@ pytestmark = pytest.mark.slow
 
 FACTS = textwrap.dedent(
     """
-    import datetime
+    import builtins, datetime, functools, os
     import torch, torch.nn as nn, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    # Each rank writes its own file: two ranks printing to one pipe may interleave their lines.
+    print = functools.partial(builtins.print, file=open(os.path.join(os.environ["FACTS_DIR"], f"rank{rank}.txt"), "w"), flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # DD501: built before sharding
@@ -67,11 +69,11 @@ def test_the_facts_behind_the_sharded_rules(tmp_path):
     marker = new_marker()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--master_port={free_port()}", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=marked_env(marker))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=marked_env(marker, FACTS_DIR=str(tmp_path)))
     assert not wait_for_no_processes(marker)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {}
-    for line in done.stdout.splitlines():
+    for line in (tmp_path / "rank0.txt").read_text().splitlines() + (tmp_path / "rank1.txt").read_text().splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0] in ("0", "1"):
             lines[(int(parts[0]), parts[1])] = parts[2:]

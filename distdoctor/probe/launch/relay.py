@@ -136,6 +136,7 @@ class RelayClient:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.error = ""
+        self.reached = False  # node 0's relay answered at least once during the run
 
     def start(self) -> RelayClient:
         self._thread.start()
@@ -150,6 +151,7 @@ class RelayClient:
             self.error = f"cannot reach node 0's relay at {self.address[0]}:{self.address[1]} ({exc})"
             return None
         self.error = ""
+        self.reached = True
         return self._sock
 
     def _send(self, message: dict) -> bool:
@@ -193,7 +195,9 @@ class RelayClient:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
-        deadline = time.monotonic() + self.connect_timeout_s
+        # Keep trying for a while only if node 0 was reached during the run: a node that never
+        # reached it (no rendezvous, wrong address) says so at once instead of waiting again.
+        deadline = time.monotonic() + (self.connect_timeout_s if self.reached else 0.0)
         while True:
             self._flush(final=True)
             if not self.error and self._send({"node": self.node_rank, "host": self.host, "done": True}):
