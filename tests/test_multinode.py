@@ -179,7 +179,7 @@ def test_a_node_that_cannot_reach_the_rendezvous_says_so_in_time(hosts):
     stdout, stderr = proc.communicate(timeout=200)
     assert proc.returncode != 0
     assert "node 1 could not rendezvous at 10.231." in stdout + stderr
-    # Said by the rendezvous (which gives up at 40% of the wall clock), not by the wall clock itself.
+    # Said by the rendezvous (its store gives up within 40% of the wall clock), not by the wall clock itself.
     assert "wall-clock limit" not in stdout + stderr
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from distdoctor.probe.launch.relay import RelayClient, RelayServer, finish_relay, relay_address
 from distdoctor.probe.launch.slurm import first_host, slurm_nodes
-from distdoctor.probe.launch.torchrun import LaunchResult, LaunchSpec, rendezvous_timeout_s, torchrun_command
+from distdoctor.probe.launch.torchrun import LaunchResult, LaunchSpec, rendezvous_timeout_s, store_timeout_s, torchrun_command
 from distdoctor.probe.report import Report
 from distdoctor.probe.render import render_text
 from distdoctor.probe.script.launcher import name_hosts, ranks_per_host
@@ -94,11 +94,13 @@ def test_slurm_environment_gives_nodes_rank_and_a_shared_endpoint():
 
 def test_node_0_hosts_the_rendezvous_explicitly_and_joins_time_out_inside_the_wall_clock():
     spec = LaunchSpec(nproc=2, backend="gloo", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500", timeout_s=120)
-    timeout = rendezvous_timeout_s(120)
-    assert f"--rdzv-conf=is_host=1,join_timeout={timeout},read_timeout={timeout}" in torchrun_command(spec, ["t.py"])
+    join, store = rendezvous_timeout_s(120), store_timeout_s(120)
+    assert f"--rdzv-conf=is_host=1,join_timeout={join},read_timeout={store}" in torchrun_command(spec, ["t.py"])
     other = LaunchSpec(nproc=2, backend="gloo", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", timeout_s=120)
     assert any(arg.startswith("--rdzv-conf=is_host=0,") for arg in torchrun_command(other, ["t.py"]))
     assert rendezvous_timeout_s(120) < 120
+    # torchrun's store client tries twice with a back-off of up to its timeout in between.
+    assert 2 * store_timeout_s(120) <= rendezvous_timeout_s(120)
 
 
 def test_a_failed_rendezvous_names_the_node_and_the_address():

@@ -171,7 +171,7 @@ def torchrun_command(spec: LaunchSpec, target: Sequence[str]) -> list[str]:
             # the endpoint to one of its host names (an IP address or an alias does not match), and
             # a node that cannot join says so well inside the probe's wall clock.
             f"--rdzv-conf=is_host={int(spec.node_rank == 0)},join_timeout={rendezvous_timeout_s(spec.timeout_s)},"
-            f"read_timeout={rendezvous_timeout_s(spec.timeout_s)}",
+            f"read_timeout={store_timeout_s(spec.timeout_s)}",
         ]
     # One attempt: a probe reports a failure, it does not hide it behind a restart.
     cmd.append("--max-restarts=0")
@@ -218,6 +218,13 @@ def rendezvous_timeout_s(timeout_s: float) -> int:
     """How long nodes wait for each other at the rendezvous: a share of the wall clock, so a node
     that cannot be reached is reported before the whole probe times out."""
     return int(max(10.0, min(120.0, timeout_s * 0.4)))
+
+
+def store_timeout_s(timeout_s: float) -> int:
+    """The rendezvous store's connect timeout. torchrun's store client tries twice, with a random
+    back-off of up to the timeout between the tries, so an unreachable node 0 costs up to twice this:
+    half the rendezvous share keeps that failure inside the wall clock even on a loaded machine."""
+    return int(max(5.0, rendezvous_timeout_s(timeout_s) / 2))
 
 
 def collective_timeout_s(timeout_s: float) -> float:
