@@ -199,8 +199,29 @@ def test_clean_file_without_distributed_words_is_not_parsed_by_libcst(monkeypatc
     def boom(*args, **kwargs):
         raise AssertionError("libcst parsed a file no rule can fire on")
 
-    monkeypatch.setattr(engine.cst, "parse_module", boom)
+    import libcst
+
+    monkeypatch.setattr(libcst, "parse_module", boom)
     assert lint_text("import os\nprint(os.getcwd())\n").findings == ()
+
+
+def test_a_run_where_no_file_needs_the_rules_imports_neither_them_nor_libcst(tmp_path):
+    # Under pre-commit most files name nothing distributed: importing libcst alone (about 0.15 s)
+    # would cost more than answering them.
+    (tmp_path / "plain.py").write_text("import os\nprint(os.getcwd())\n")
+    probe = (
+        "import sys\n"
+        "from distdoctor.cli import main\n"
+        "try:\n"
+        f"    main(['lint', '--no-cache', '-j', '1', {str(tmp_path)!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'libcst' or m.startswith('distdoctor.rules')"
+        " or m.startswith('distdoctor.probe'))[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "All checks passed" in out and "exit 0" in out
+    assert out.rstrip().endswith("[]"), out
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,3 +97,11 @@ def test_no_module_is_imported_in_a_circle():
     graph = import_graph(_module_files())
     assert "distdoctor.probe.script.hooks" in graph["distdoctor.probe.script.horovod_hooks"]  # the graph is read
     assert import_cycles(graph) == []
+
+
+def test_the_rule_catalog_lists_exactly_the_rules():
+    # Selection reads distdoctor/data/rules.json so that a run whose files no rule can read never
+    # imports the rules; it must say what the rule classes say (`python -m distdoctor.lint.catalog`).
+    from distdoctor.lint.catalog import catalog, from_rules
+
+    assert catalog() == from_rules(), "distdoctor/data/rules.json is stale: run python -m distdoctor.lint.catalog"

@@ -64,7 +64,7 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
             ignore=(*config.ignore, *(_codes(ignore) or ())),
             cache=False if no_cache else None,
         )
-        rules = config.selected_rules()
+        config.selected_codes()  # an unknown code is an error before any file is read
     except ConfigError as exc:
         raise Abort(str(exc)) from None
 
@@ -74,7 +74,7 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
             if force_exclude and stdin_filename and config.is_excluded(Path(stdin_filename)):
                 status = EXIT_CLEAN
             else:
-                status = _lint_stdin(stdin_filename or "-", rules, config, fix, diff, show)
+                status = _lint_stdin(stdin_filename or "-", config.selected_rules(), config, fix, diff, show)
         else:
             status = _lint_paths(paths or (".",), config, fix, diff, show, jobs, force_exclude)
     except KeyboardInterrupt:

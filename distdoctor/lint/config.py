@@ -7,8 +7,12 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from distdoctor.lint.rule import Rule, all_rules
+from distdoctor.lint.catalog import RuleInfo, catalog
+
+if TYPE_CHECKING:
+    from distdoctor.lint.rule import Rule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,8 +48,11 @@ class Config:
         return replace(self, **changes)
 
     # --- selection -----------------------------------------------------------------------------
-    def selected_rules(self) -> tuple[Rule, ...]:
-        rules = all_rules()
+    def selected_codes(self) -> tuple[str, ...]:
+        """The codes of the selected rules, in code order; resolved on the catalog, so that nothing
+        imports the rules (nor libcst) before a file needs them. Raises `ConfigError` for a selector
+        that names no rule."""
+        rules = catalog()
         for code in (*(self.select or ()), *self.extend_select, *self.ignore, *self._per_file_codes()):
             _check_selector(code, rules)
         if self.select is None:
@@ -54,7 +61,14 @@ class Config:
             chosen = {rule.code for rule in rules if _selects(self.select, rule)}
         chosen |= {rule.code for rule in rules if _selects(self.extend_select, rule)}
         chosen -= {rule.code for rule in rules if _matches(self.ignore, rule.code)}
-        return tuple(rule for rule in rules if rule.code in chosen)
+        return tuple(rule.code for rule in rules if rule.code in chosen)
+
+    def selected_rules(self) -> tuple[Rule, ...]:
+        """The selected rules themselves (imports them)."""
+        from distdoctor.lint.rule import all_rules
+
+        codes = set(self.selected_codes())
+        return tuple(rule for rule in all_rules() if rule.code in codes)
 
     def _per_file_codes(self) -> Iterable[str]:
         for codes in self.per_file_ignores.values():
@@ -97,7 +111,7 @@ def _matches(selectors: Sequence[str], code: str) -> bool:
     return any(sel == "ALL" or code.startswith(sel) for sel in selectors)
 
 
-def _selects(selectors: Sequence[str], rule: Rule) -> bool:
+def _selects(selectors: Sequence[str], rule: RuleInfo) -> bool:
     """Default-off rules run only when named by their full code (or `ALL`): selecting the
     family `DD4` must not switch on a house-style rule such as DD405."""
     if rule.default_on:
@@ -105,7 +119,7 @@ def _selects(selectors: Sequence[str], rule: Rule) -> bool:
     return any(sel in ("ALL", rule.code) for sel in selectors)
 
 
-def _check_selector(selector: str, rules: Sequence[Rule]) -> None:
+def _check_selector(selector: str, rules: Sequence[RuleInfo]) -> None:
     if selector == "ALL":
         return
     if not selector.startswith("DD") or not any(rule.code.startswith(selector) for rule in rules):

@@ -21,17 +21,20 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import libcst as cst
+from typing import TYPE_CHECKING
 
 from distdoctor import __version__
 from distdoctor.lint import guard
-from distdoctor.lint.analysis import syntax
 from distdoctor.lint.config import Config
-from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Finding
-from distdoctor.lint.rule import Rule, all_rules
-from distdoctor.lint.workers import run_supervised
+
+if TYPE_CHECKING:
+    import libcst as cst
+
+    from distdoctor.lint.rule import Rule
+
+# libcst, the analysis and the rules are imported by the first file that needs them: importing
+# libcst alone costs more than answering a file no rule can read (most files under pre-commit).
 
 # A file that says none of these words cannot trigger any rule: answer it without parsing.
 PREFILTER = re.compile(
@@ -115,6 +118,10 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
             return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
         reason, line = refused
         return FileResult(path, (_dd000(path, reason, line, 1),))
+    import libcst as cst
+
+    from distdoctor.lint.analysis import syntax
+
     try:
         module = cst.parse_module(source)
     except Exception as exc:  # ParserSyntaxError, or whatever else libcst raises on odd input
@@ -128,6 +135,8 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
 
 
 def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rule]) -> FileResult:
+    from distdoctor.lint.analysis.context import LintContext
+
     ctx = LintContext(path, source, module)
     raw: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
@@ -319,6 +328,8 @@ def _line_starts(source: str) -> list[int]:
 
 def fix_source(source: str, path: str, rules: Sequence[Rule]) -> tuple[str, int]:
     """Apply safe fixes until none is left (bounded); never returns text that does not parse."""
+    import libcst as cst
+
     total = 0
     current = source
     for _ in range(MAX_FIX_PASSES):
@@ -482,11 +493,11 @@ def _git_ignored(folder: Path) -> set[Path]:
 # Many files: cache and parallelism
 
 
-def _cache_key(source: str, rules: Sequence[Rule]) -> str:
+def _cache_key(source: str, codes: Sequence[str]) -> str:
     digest = hashlib.sha256()
     digest.update(__version__.encode())
     digest.update(ENGINE_REVISION.encode())
-    digest.update(",".join(rule.code for rule in rules).encode())
+    digest.update(",".join(codes).encode())
     digest.update(b"\0")
     digest.update(source.encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
@@ -532,8 +543,15 @@ class _Cache:
 
 def _lint_job(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
     path, source, codes = job
-    rules = [rule for rule in all_rules() if rule.code in codes]
-    return lint_source(source, path, rules)
+    return lint_source(source, path, _rules(codes))
+
+
+def _rules(codes: Sequence[str]) -> list[Rule]:
+    """The rules of `codes`, imported on this first use."""
+    from distdoctor.lint.rule import all_rules
+
+    wanted = set(codes)
+    return [rule for rule in all_rules() if rule.code in wanted]
 
 
 def _crashed(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
@@ -561,7 +579,7 @@ def lint(
     `jobs` is the number of processes (default: the CPUs, at most 8); `force_exclude` applies the
     configured `exclude` patterns to files named explicitly too (as pre-commit names them)."""
     config = config or Config()
-    rules = config.selected_rules()
+    codes = config.selected_codes()
     files, errors = discover(paths, config, force_exclude=force_exclude)
     cache = _Cache(config.root if config.cache else None)
     results: list[FileResult] = []
@@ -577,20 +595,23 @@ def lint(
             # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
-        key = _cache_key(source, rules)
+        key = _cache_key(source, codes)
         cached = cache.get(key, shown)
         if cached is not None:
             results.append(cached)
         else:
             pending.append((shown, source, key))
 
-    codes = tuple(rule.code for rule in rules)
     workers = jobs if jobs is not None else default_jobs()
     needs_parse = [job for job in pending if PREFILTER.search(job[1])]
     # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
     if workers > 1 and (len(needs_parse) >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
+        from distdoctor.lint.workers import run_supervised  # multiprocessing: only when it is used
+
         fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
+        # Only a file some rule can read needs the rules (and libcst) imported.
+        rules = _rules(codes) if needs_parse else []
         fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
     for (_, _, key), result in zip(pending, fresh):
         cache.put(key, result)

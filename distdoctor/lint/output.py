@@ -6,12 +6,14 @@ import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from distdoctor import __version__
 from distdoctor.lint.finding import Finding
-from distdoctor.lint.rule import Rule, all_rules
+
+if TYPE_CHECKING:
+    from distdoctor.lint.rule import Rule
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
@@ -124,6 +126,8 @@ def _artifact_location(path: str) -> dict[str, Any]:
 
 def format_sarif(findings: Sequence[Finding], *, statistics: bool = False) -> str:
     """SARIF 2.1.0; with `statistics`, the counts per code also go in the run's properties."""
+    from distdoctor.lint.rule import all_rules  # the full pages: SARIF carries each rule's help
+
     rules = all_rules()
     index = {rule.code: i for i, rule in enumerate(rules)}
     results = []
