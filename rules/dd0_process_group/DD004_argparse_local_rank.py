@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, kinds
+from distdoctor.lint.analysis import frameworks, kinds, names
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import device_indices
 from distdoctor.lint.rule import Example, Report, Rule
@@ -222,13 +222,29 @@ class ArgparseLocalRank(Rule):
             deepspeed.init_distributed()
             """
         ),
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+            from myproject.envs import read_launcher_env
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            args = parser.parse_args()
+            # The helper (another module) reads LOCAL_RANK, RANK and WORLD_SIZE: the flag is overwritten.
+            args.local_rank, args.rank, args.world_size = read_launcher_env()
+            torch.cuda.set_device(args.local_rank)
+            dist.init_process_group("nccl")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if ctx.imports.imports_any(frameworks.PASSES_LOCAL_RANK_FLAG):
             return
         flags = _local_rank_flags(ctx)
-        if not flags or _reads_local_rank_env(ctx) or _own_launcher(ctx):
+        if not flags or _reads_local_rank_env(ctx) or _own_launcher(ctx) or _flag_overwritten(ctx):
             return
         use = next((u for u in device_indices(ctx) if _from_flag(u.trace.value(u.index, u.step))), None)
         if use is None:
@@ -270,6 +286,35 @@ def _reads_local_rank_env(ctx: LintContext) -> bool:
         if node.evaluated_value == ENV_NAME and id(node) not in written:
             return True
     return any(ENV_NAME in node.value for node in ctx.nodes(cst.FormattedStringText))
+
+
+def _flag_overwritten(ctx: LintContext) -> bool:
+    """The script overwrites the parsed flag with what a helper of another module returns
+    (`args.local_rank, args.rank, args.world_size = get_envs()`): such helpers read LOCAL_RANK
+    where this file cannot see it, so the flag's default is not what selects the device."""
+    defined = ctx.info.functions
+    for node in ctx.nodes(cst.Assign):
+        value = node.value
+        if not isinstance(value, cst.Call):
+            continue
+        callee = names.dotted(value.func)
+        qualified = ctx.qualname(value.func) or ""
+        if callee is None or callee in defined or qualified.split(".", 1)[0] in KNOWN_LIBRARIES:
+            continue
+        for target in node.targets:
+            pending = [target.target]
+            while pending:
+                current = pending.pop()
+                if isinstance(current, (cst.Tuple, cst.List)):
+                    pending.extend(element.value for element in current.elements)
+                elif isinstance(current, cst.Attribute) and current.attr.value == "local_rank":
+                    if names.dotted(current.value) not in (None, "self"):
+                        return True
+    return False
+
+
+# Callees whose result is known not to be a helper's reading of LOCAL_RANK.
+KNOWN_LIBRARIES = frozenset({"torch", "horovod", "os", "argparse", "int", "builtins"})
 
 
 def _own_launcher(ctx: LintContext) -> bool:

@@ -210,6 +210,28 @@ class AccumulationWithoutNoSync(Rule):
                     optimizer.zero_grad()
             """
         ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for step, (x, y) in enumerate(loader):
+                loss = model(x).sum()
+                if accum_steps > 1:
+                    with model.no_sync() if (step + 1) % accum_steps else nullcontext():
+                        (loss / accum_steps).backward()
+                    if (step + 1) % accum_steps == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+                else:
+                    # Without accumulation: this backward is always followed by its own step.
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -266,8 +288,13 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
     nested inside it, or outside a `%` condition that guards the step."""
     loop = step.loops[-1]
     step_guards = {id(guard.test) for guard in step.guards}
+    step_branches = {id(guard.test): guard.negated for guard in step.guards}
     for other in trace.steps:
         if not other.in_loop(loop):
+            continue
+        if any(step_branches.get(id(guard.test), guard.negated) != guard.negated for guard in other.guards):
+            # The other branch of an `if` around the step (`if accum > 1: ... else: backward(); step()`):
+            # that backward never runs in an iteration that reaches this step.
             continue
         for call in syntax.own_calls(other.node):
             if not ctx.is_backward(call):

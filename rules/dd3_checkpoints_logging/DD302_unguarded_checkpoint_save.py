@@ -49,8 +49,12 @@ def is_training_state(ctx: LintContext, trace: Trace, step: Step, obj: cst.BaseE
     return False
 
 
-def per_rank_path(trace: Trace, step: Step, path: cst.BaseExpression | None) -> bool:
-    """`f"ckpt_rank{rank}.pt"`: each rank writes its own file on purpose."""
+def per_rank_path(
+    trace: Trace, step: Step, path: cst.BaseExpression | None, ctx: LintContext | None = None, depth: int = 0
+) -> bool:
+    """`f"ckpt_rank{rank}.pt"`: each rank writes its own file on purpose. With `ctx`, also through
+    the names the path is built from (`name = f"optim.{dist.get_rank()}.pth"` then
+    `os.path.join(folder, name)`), a few assignments deep."""
     if path is None:
         return False
     for node in syntax.walk(path):
@@ -58,6 +62,10 @@ def per_rank_path(trace: Trace, step: Step, path: cst.BaseExpression | None) -> 
             value = trace.value(node, step)
             if value is not None and value.is_rank_like:
                 return True
+            if ctx is not None and depth < 3 and isinstance(node, (cst.Name, cst.Attribute)):
+                bound = ctx.binding(trace, step, node)
+                if bound is not None and bound[1] is not path and per_rank_path(trace, bound[0], bound[1], ctx, depth + 1):
+                    return True
     return False
 
 
@@ -347,6 +355,20 @@ class UnguardedCheckpointSave(Rule):
                 mp.spawn(worker, args=(n,), nprocs=n)
             """
         ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for epoch in range(epochs):
+                train(model, optimizer)
+                # Each rank's optimizer shard goes to a file of its own.
+                shard_name = f"optimizer.{dist.get_rank():05d}-of-{dist.get_world_size():05d}.pt"
+                torch.save(optimizer.state_dict(), os.path.join(out_dir, shard_name))
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -358,7 +380,7 @@ class UnguardedCheckpointSave(Rule):
             obj = syntax.argument(call, 0, "obj")
             if obj is None or not is_training_state(ctx, trace, step, obj):
                 continue
-            if per_rank_path(trace, step, syntax.argument(call, 1, "f")):
+            if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
                 continue
             guards = ctx.rank_guards(trace, step, uncertain=True)
             if any(not guard.zero or not guard.certain for guard in guards):
