@@ -288,11 +288,10 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
     nested inside it, or outside a `%` condition that guards the step."""
     loop = step.loops[-1]
     step_guards = {id(guard.test) for guard in step.guards}
-    step_branches = {id(guard.test): guard.negated for guard in step.guards}
     for other in trace.steps:
         if not other.in_loop(loop):
             continue
-        if any(step_branches.get(id(guard.test), guard.negated) != guard.negated for guard in other.guards):
+        if step.excludes(other):
             # The other branch of an `if` around the step (`if accum > 1: ... else: backward(); step()`):
             # that backward never runs in an iteration that reaches this step.
             continue

@@ -10,6 +10,7 @@ import libcst as cst
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis import names
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -369,6 +370,49 @@ class UnguardedCheckpointSave(Rule):
                 torch.save(optimizer.state_dict(), os.path.join(out_dir, shard_name))
             """
         ),
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+
+            def train(cfg):
+                dist.init_process_group("nccl")
+                fit(torch.nn.parallel.DistributedDataParallel(build(cfg).cuda()))
+
+
+            def export(path, out):  # a single-process subcommand of the same tool
+                model = build(None)
+                model.load_state_dict(torch.load(path, map_location="cpu"))
+                torch.save(model.state_dict(), out)
+
+
+            def main():
+                args = argparse.ArgumentParser().parse_args()
+                if args.command == "train":
+                    train(args)
+                elif args.command == "export":
+                    export(args.input, args.output)
+
+
+            main()
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from myproject.distributed import DIST_INFO  # holds int(os.environ["RANK"]) as .rank
+
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(epochs):
+                train(model)
+                if DIST_INFO.rank == 0:
+                    torch.save(model.module.state_dict(), "checkpoint.pt")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -381,6 +425,8 @@ class UnguardedCheckpointSave(Rule):
             if obj is None or not is_training_state(ctx, trace, step, obj):
                 continue
             if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
+                continue
+            if _off_the_distributed_branch(ctx, trace, step):
                 continue
             guards = ctx.rank_guards(trace, step, uncertain=True)
             if any(not guard.zero or not guard.certain for guard in guards):
@@ -413,6 +459,24 @@ def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bo
             if value is not None and value.kind == kinds.LOCAL_RANK and value.origin == "spawn":
                 return True
     return False
+
+
+def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """The save is in another branch than every start of the process group on its path
+    (`if command == "train": train()` ... `elif command == "export": torch.save(...)`): a
+    single-process subcommand of a tool whose training is distributed."""
+    starts = [
+        other
+        for other in trace.steps
+        for call in syntax.own_calls(other.node)
+        if (names.dotted(call.func) or "").rsplit(".", 1)[-1] in STARTERS
+        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP)
+    ]
+    return bool(starts) and all(other.excludes(step) for other in starts)
+
+
+# What starts a process group, as `LintContext.process_group_initialised` names it.
+STARTERS = frozenset({"init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist"})
 
 
 def _multi_process(ctx: LintContext) -> bool:

@@ -24,6 +24,11 @@ from distdoctor.lint.analysis.kinds import (
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 
 
+# Packages whose attributes are APIs known by qualified name (or not at all), never read by name.
+LIBRARIES_BY_API = frozenset(
+    {"torch", "horovod", "os", "sys", "numpy", "accelerate", "lightning", "pytorch_lightning", "deepspeed",
+     "mpi4py", "jax", "tensorflow", "transformers", "apex", "ray", "colossalai", "megatron", "fairscale"}
+)
 _PASSTHROUGH_METHODS = frozenset({"to", "cuda", "cpu", "train", "eval", "float", "half", "double", "bfloat16", "requires_grad_", "share_memory", "to_empty"})
 
 
@@ -102,8 +107,11 @@ class Evaluator:
                 value = self.env.get(("self", cls_name, attr))
                 if value is not None:
                     return value
-        if self.ctx.qualname(node) is not None:
+        qualified = self.ctx.qualname(node)
+        if qualified is not None and (qualified.split(".", 1)[0] in LIBRARIES_BY_API or text is None or "." not in text):
             return None
+        # An attribute of an object imported from the project (`DIST_WRAPPER.rank`, `env.local_rank`)
+        # is read by its name, as `args.rank` is.
         if attr in MAIN_PROCESS_FUNCS:
             return rank_test(node, True, origin="attr")
         return _by_name(attr, node, "attr", text) or unknown

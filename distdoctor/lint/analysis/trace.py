@@ -61,6 +61,12 @@ class Step:
     def in_loop(self, loop: cst.CSTNode) -> bool:
         return any(enclosing is loop for enclosing in self.loops)
 
+    def excludes(self, other: Step) -> bool:
+        """Whether the two steps sit in different branches of one `if` (`if cmd == "train": ...
+        elif cmd == "export": ...`): one pass through that `if` runs at most one of them."""
+        branches = {id(guard.test): guard.negated for guard in self.guards}
+        return any(branches.get(id(guard.test), guard.negated) != guard.negated for guard in other.guards)
+
 
 @dataclass
 class Trace:
