@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds
+from distdoctor.lint.analysis import kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.devices import device_indices
+from distdoctor.lint.analysis.devices import DeviceIndex, device_indices
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -114,6 +114,9 @@ class RankAsDevice(Rule):
                     self.rank = distributed.get_rank()
                     self.device = torch.device(f"cuda:{self.rank}")  # expect: DD002
                     self.model = model.to(self.rank)  # expect: DD002
+
+                def step(self, batch):
+                    return self.model(batch.to(self.device))
             """
         ),
         Example(
@@ -212,19 +215,53 @@ class RankAsDevice(Rule):
             torch.cuda.set_device(args.rank)
             """
         ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+
+            class Executor:
+                def __init__(self):
+                    self.rank = int(os.environ.get("RANK", 0))
+                    self.device = torch.device(f"cuda:{self.rank}")  # stored, never read
+
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl")
+            executor = Executor()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         reported: set[int] = set()
         for use in device_indices(ctx):
             value = use.trace.value(use.index, use.step)
-            if not _is_global_rank(value):
+            if not _is_global_rank(value) or _never_read(ctx, use):
                 continue
             line = ctx.position(use.site).start.line
             if line in reported:
                 continue
             reported.add(line)
             yield Report(use.site, _message(ctx, use.index, value, ctx.uses_horovod))
+
+
+def _never_read(ctx: LintContext, use: DeviceIndex) -> bool:
+    """A device built and stored but never read again (`self.device = torch.device(f"cuda:{rank}")`
+    when everything runs on the device chosen from LOCAL_RANK): a dead value selects nothing.
+    Calls that act at once (`set_device`, `.to()`, `.cuda()`, `device_ids=`) are never dead."""
+    node = use.step.node
+    if use.how not in ("string", "device") or not isinstance(node, cst.Assign) or len(node.targets) != 1:
+        return False
+    if not any(child is use.site for child in syntax.walk(node.value)):
+        return False
+    text = names.dotted(node.targets[0].target)
+    if text is None:
+        return False
+    return sum(1 for other in ctx.nodes(cst.Name, cst.Attribute) if names.dotted(other) == text) == 1
 
 
 def _is_global_rank(value: Value | None) -> bool:

@@ -212,6 +212,33 @@ class MetricNotReduced(Rule):
                 print("val acc", correct / len(val_set))
             """
         ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+
+
+            def my_part(batch):
+                # Each rank takes its slice of the global batch: a copy, no evaluation.
+                for part in DataLoader(batch, batch_size=len(batch), sampler=DistributedSampler(batch, shuffle=False)):
+                    mine = part
+                return mine
+
+
+            for epoch in range(epochs):
+                for batch in loader:
+                    loss = model(my_part(batch)).mean()
+                    loss.backward()
+                    optimizer.step()
+                path = f"ckpt-{epoch}.pt"
+                if rank == 0:
+                    print("saving " + path + f" after loss {loss.item()}")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -230,13 +257,10 @@ def _eval_loops(ctx: LintContext, trace: Trace) -> Iterable[Step]:
         if source is None or source.kind != kinds.LOADER or source.inner is None or source.inner.kind != kinds.SAMPLER:
             continue
         loop = step.node
-        trains = any(
-            ctx.is_backward(call)
-            for other in trace.steps
-            if other.in_loop(loop)
-            for call in syntax.own_calls(other.node)
-        )
-        if not trains:
+        calls = [call for other in trace.steps if other.in_loop(loop) for call in syntax.own_calls(other.node)]
+        # An evaluation runs something on each batch; a loop that only copies what it draws
+        # (`for data in loader: batch = data`, a batch split across ranks) computes no metric.
+        if calls and not any(ctx.is_backward(call) for call in calls):
             yield step
 
 
