@@ -228,9 +228,27 @@ def _precision(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def report_corpus(scores: dict, findings: list[dict], present: int, absent: int, misses: int, out) -> None:
+MISS_WINDOW = 3  # a finding this many lines from a recorded miss counts as finding it
+
+
+def found_misses(findings: list[dict], misses: list) -> list[tuple[object, str]]:
+    """The recorded misses some finding (any code linted) now reports, within a few lines: a rule
+    change that finds a miss is seen, as is one that loses it again."""
+    by_file: dict[tuple[str, str, str], list[dict]] = {}
+    for f in findings:
+        repo, commit, path, _, _ = corpus_data.finding_key(f)
+        by_file.setdefault((repo, commit, path), []).append(f)
+    found = []
+    for miss in misses:
+        near = [f for f in by_file.get((miss.repo, miss.commit, miss.path), []) if abs(f["line"] - miss.line) <= MISS_WINDOW]
+        if near:
+            found.append((miss, ",".join(sorted({f["code"] for f in near}))))
+    return found
+
+
+def report_corpus(scores: dict, findings: list[dict], present: int, absent: int, misses: list, out) -> None:
     messages = {corpus_data.finding_key(f): f["message"] for f in findings}
-    print(f"Corpus: {present} files linted, {absent} manifest files not in the cache, {misses} recorded misses", file=out)
+    print(f"Corpus: {present} files linted, {absent} manifest files not in the cache, {len(misses)} recorded misses", file=out)
     print(f"  {'code':<6} {'findings':>8} {'TP':>5} {'FP':>5} {'unjudged':>8} {'precision':>9} {'gone':>5}", file=out)
     for code, s in scores.items():
         if code == "ALL":
@@ -246,6 +264,10 @@ def report_corpus(scores: dict, findings: list[dict], present: int, absent: int,
     for key in total.new:
         repo, commit, path, line, code = key
         print(f"  {code} {repo}@{commit[:10]} {path}:{line}: {messages.get(key, '')}", file=out)
+    found = found_misses(findings, misses)
+    print(f"Recorded misses now found: {len(found)} of {len(misses)}", file=out)
+    for miss, codes in found:
+        print(f"  {codes} {miss.repo}@{miss.commit[:10]} {miss.path}:{miss.line}: {miss.what}", file=out)
     print(f"Gone (judged, no longer found): {len(total.gone)}", file=out)
     for j in total.gone:
         print(f"  {j.code} {j.repo}@{j.commit[:10]} {j.path}:{j.line}: was {j.verdict}: {j.reason}", file=out)
@@ -302,7 +324,7 @@ def main_corpus(args) -> int:
     if args.json:
         corpus_json(scores, findings, present, len(absent), sys.stdout)
     else:
-        report_corpus(scores, findings, present, len(absent), len(misses), sys.stdout)
+        report_corpus(scores, findings, present, len(absent), misses, sys.stdout)
     if args.write_precision:
         if scores["ALL"].unjudged:
             print(f"corpus: {scores['ALL'].unjudged} findings are not judged yet: judge them before writing "
