@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.kinds import Value
@@ -19,8 +19,10 @@ class DDPModuleBypass(Rule):
     ## What it does
     Flags a forward pass through the module *inside* a `DistributedDataParallel` wrapper
     (`ddp_model.module(x)`, or `net(x)` where `net` was wrapped by `DDP(net)`) whose result
-    reaches `backward()`. Forwards under `torch.no_grad()` / `inference_mode()` and forwards
-    whose result never reaches a backward pass (evaluation, logging, EMA) stay silent.
+    reaches `backward()`, and a wrapper dropped as soon as it is built
+    (`model = DDP(model, device_ids=[i]).module`). Forwards under `torch.no_grad()` /
+    `inference_mode()` and forwards whose result never reaches a backward pass (evaluation,
+    logging, EMA) stay silent.
 
     ## Why is this bad?
     DDP synchronises gradients from hooks that its own `forward` arms. A forward that goes
@@ -98,6 +100,25 @@ class DDPModuleBypass(Rule):
                     self.scaler.scale(loss).backward()
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+
+
+            class Trainer:
+                def __init__(self, model, rank):
+                    dist.init_process_group("nccl")
+                    torch.cuda.set_device(rank)
+                    self.model = DistributedDataParallel(model.cuda(), device_ids=[rank]).module  # expect: DD102
+
+                def step(self, batch, optimizer):
+                    loss = self.model(batch).mean()
+                    loss.backward()
+                    optimizer.step()
+            """
+        ),
     )
     valid = (
         Example(
@@ -144,6 +165,7 @@ class DDPModuleBypass(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        yield from _discarded_wrappers(ctx)
         for trace in ctx.traces:
             for step, call in trace.calls():
                 wrapper = _bypassed_wrapper(trace, step, call)
@@ -158,6 +180,21 @@ class DDPModuleBypass(Rule):
                     f"reaches backward(): its gradients are never all-reduced and the replicas drift apart. "
                     f"Call the wrapper itself: `{name}(...)`.",
                 )
+
+
+def _discarded_wrappers(ctx: LintContext) -> Iterable[Report]:
+    """`model = DistributedDataParallel(model, ...).module`: the wrapper is dropped the moment it is
+    built, so no forward can ever go through it."""
+    for trace, step, call in ctx.calls(frameworks.DDP):
+        parent = ctx.parent(call)
+        if isinstance(parent, cst.Attribute) and parent.value is call and parent.attr.value == "module":
+            yield Report(
+                parent,
+                "`.module` of the DistributedDataParallel wrapper just built keeps the plain model and drops "
+                "the wrapper: no forward goes through DDP, so gradients are never all-reduced and every rank "
+                "trains its own copy. Keep the wrapper (`model = DDP(model, ...)`) and reach `.module` only "
+                "to save or inspect the weights.",
+            )
 
 
 def _bypassed_wrapper(trace: Trace, step: Step, call: cst.Call) -> Value | None:
