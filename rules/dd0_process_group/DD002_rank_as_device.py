@@ -16,6 +16,7 @@ from distdoctor.lint.rule import Example, Report, Rule
 # `rank` (origin "name"/"attr") is often an `mp.spawn` index or a single-node rank handed in by a
 # caller the analysis did not see: too weak to call it global.
 GLOBAL_ORIGINS = frozenset({"env", "dist", "hvd", "arith"})
+INIT = "torch.distributed.init_process_group"
 RANK_GETTERS = frozenset({"get_rank", "get_global_rank"})
 
 
@@ -234,13 +235,30 @@ class RankAsDevice(Rule):
             executor = Executor()
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+
+
+            class Trainer:
+                def __init__(self, model, rank, world_size):
+                    # The rank is handed in by the launcher (an mp.spawn index on one node, say):
+                    # get_rank() returns it, and nothing here says it is global.
+                    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+                    device = dist.get_rank()
+                    torch.cuda.set_device(device)
+                    self.model = DistributedDataParallel(model.cuda(device), device_ids=[device])
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         reported: set[int] = set()
         for use in device_indices(ctx):
             value = use.trace.value(use.index, use.step)
-            if not _is_global_rank(value) or _never_read(ctx, use):
+            if not _is_global_rank(value) or _never_read(ctx, use) or _rank_handed_in(ctx, value):
                 continue
             line = ctx.position(use.site).start.line
             if line in reported:
@@ -262,6 +280,23 @@ def _never_read(ctx: LintContext, use: DeviceIndex) -> bool:
     if text is None:
         return False
     return sum(1 for other in ctx.nodes(cst.Name, cst.Attribute) if names.dotted(other) == text) == 1
+
+
+def _rank_handed_in(ctx: LintContext, value: Value) -> bool:
+    """`dist.get_rank()` in a file whose process group is started with a rank handed in from
+    elsewhere (`init_process_group(..., rank=rank)`, `rank` a parameter or a config entry): the rank
+    is whatever the launcher passed, often an `mp.spawn` index on one node, where it is the device.
+    Only when the process group reads RANK from the launcher's environment is it surely global."""
+    if value.origin != "dist":
+        return False
+    for trace, step, call in ctx.calls(INIT):
+        rank = syntax.argument(call, 4, "rank")
+        if rank is None:
+            continue
+        given = trace.value(rank, step)
+        if given is None or given.kind not in (kinds.RANK, kinds.CONST) or given.origin not in GLOBAL_ORIGINS:
+            return True
+    return False
 
 
 def _is_global_rank(value: Value | None) -> bool:
