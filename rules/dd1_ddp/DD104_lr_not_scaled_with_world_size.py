@@ -7,14 +7,11 @@ from collections.abc import Iterable
 import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, syntax
-from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
-from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.scaling import batch_divided_by_workers, scaled_by_workers
 from distdoctor.lint.rule import Example, Report, Rule
 
 DDP = frameworks.DDP
-LOADER = "torch.utils.data.DataLoader"
-GPU_COUNT = "torch.cuda.device_count"
 
 
 class LrNotScaledWithWorldSize(Rule):
@@ -191,10 +188,8 @@ class LrNotScaledWithWorldSize(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if ctx.uses_horovod or next(iter(ctx.calls(DDP)), None) is None:
             return
-        for trace, step, call in ctx.calls(LOADER):
-            batch = syntax.argument(call, 1, "batch_size")
-            if batch is not None and _scaled(ctx, trace, step, batch):
-                return
+        if batch_divided_by_workers(ctx):
+            return
         if _lr_rescaled_later(ctx):
             return
         for trace in ctx.traces:
@@ -203,7 +198,7 @@ class LrNotScaledWithWorldSize(Rule):
                 if value is None or value.kind != kinds.OPTIMIZER:
                     continue
                 lr = syntax.argument(call, 1, "lr")
-                if lr is None or _scaled(ctx, trace, step, lr):
+                if lr is None or scaled_by_workers(ctx, trace, step, lr):
                     continue
                 yield Report(
                     call,
@@ -213,52 +208,8 @@ class LrNotScaledWithWorldSize(Rule):
                 )
 
 
-WORKER_COUNT_WORDS = ("world", "gpus", "gpu_count", "n_gpu", "nproc", "replicas", "num_workers_total", "nodes")
 
 
-def _scaled(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
-    """Scaled by the world size, or by a name that counts the workers (`world_size` passed to an
-    `mp.spawn` worker, `ngpus_per_node`), directly or through what the names in `expr` were
-    assigned (`args.batch_size = int(args.batch_size / ngpus_per_node)` before the loader,
-    `lr_schedule = cosine_scheduler(base * get_world_size(), ...)` before `group["lr"] =
-    lr_schedule[it]`, also through a helper's parameter)."""
-    if ctx.scales_with_world_size(trace, step, expr):
-        return True
-    for node in syntax.walk(expr):
-        if isinstance(node, cst.Name) and any(word in node.value.lower() for word in WORKER_COUNT_WORDS):
-            return True
-        if isinstance(node, cst.Call) and ctx.qualname(node.func) == GPU_COUNT:
-            return True
-    if depth >= MAX_FOLLOW:
-        return False
-    for name in _dotted_names(expr):
-        found = ctx.binding(trace, step, name)
-        if found is not None and found[1] is not expr and _scaled(ctx, trace, found[0], found[1], depth + 1):
-            return True
-    return False
-
-
-MAX_FOLLOW = 4
-
-
-def _dotted_names(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
-    """The outermost names and dotted attributes read by `expr` (`args.batch_size`, not `args`)."""
-    out: list[cst.BaseExpression] = []
-    stack: list[cst.CSTNode] = [expr]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, cst.Lambda):
-            continue
-        if isinstance(node, cst.Name) or (isinstance(node, cst.Attribute) and dotted(node) is not None):
-            out.append(node)
-            continue
-        for field in node.__dataclass_fields__:
-            value = getattr(node, field)
-            if isinstance(value, cst.CSTNode):
-                stack.append(value)
-            elif isinstance(value, (list, tuple)):
-                stack.extend(item for item in value if isinstance(item, cst.CSTNode))
-    return out
 
 
 def _lr_rescaled_later(ctx: LintContext) -> bool:
@@ -269,6 +220,6 @@ def _lr_rescaled_later(ctx: LintContext) -> bool:
             if not isinstance(node, cst.Assign):
                 continue
             for target in node.targets:
-                if is_lr_slot(target.target) and _scaled(ctx, trace, step, node.value):
+                if is_lr_slot(target.target) and scaled_by_workers(ctx, trace, step, node.value):
                     return True
     return False

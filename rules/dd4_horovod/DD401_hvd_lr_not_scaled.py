@@ -8,6 +8,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
+from distdoctor.lint.analysis.scaling import batch_divided_by_workers
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -27,8 +28,14 @@ class HorovodLrNotScaled(Rule):
     the learning rate by the number of workers, usually with a warm-up; an unscaled rate trains
     the large effective batch with a small-batch step size, which converges slower or worse.
 
-    Silent when the optimizer uses Adasum (`op=hvd.Adasum`), whose scaling rules differ, and when
-    no learning rate is given explicitly.
+    Silent when the optimizer uses Adasum (`op=hvd.Adasum`), whose scaling rules differ, when
+    the per-worker batch is divided by the number of workers (`batch_size // hvd.size()`: the
+    global batch does not grow), and when no learning rate is given explicitly.
+
+    Off by default: scaling the learning rate is a recipe, not a law (the same reason DD104, its
+    DDP counterpart, is off). On held-out real code none of its findings were bugs: GAN recipes
+    with Adam keep a fixed, documented global rate, and scripts that divide the batch need none.
+    Turn it on (`--extend-select DD401`) where your recipe follows Horovod's linear scaling.
 
     ## Example
     ```python
@@ -50,6 +57,7 @@ class HorovodLrNotScaled(Rule):
     code = "DD401"
     name = "hvd-lr-not-scaled"
     severity = "warning"
+    default_on = False
     summary = "Horovod learning rate not scaled by hvd.size()"
 
     invalid = (
@@ -183,6 +191,23 @@ class HorovodLrNotScaled(Rule):
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no Horovod: not this rule's business
             """
         ),
+        Example(
+            """
+            import horovod.torch as hvd
+            import torch.optim as optim
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            # --batch-size is the total over all workers: each takes its share.
+            per_worker = args.batch_size // hvd.size()
+            loader = DataLoader(dataset, batch_size=per_worker, sampler=DistributedSampler(dataset, hvd.size(), hvd.rank()))
+            optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -193,6 +218,8 @@ class HorovodLrNotScaled(Rule):
             return
         if any("Adasum" in ctx.code(syntax.keyword(call, "op") or cst.Name("x")) for _, _, call in wraps):
             return
+        if batch_divided_by_workers(ctx):
+            return  # the global batch does not grow with the workers: nothing to scale
         if self._scaled_later(ctx):
             return
         wrapped = [trace.value(syntax.argument(call, 0, "optimizer"), step) for trace, step, call in wraps]
