@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks
+from distdoctor.lint.analysis import frameworks, syntax
 
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import (
@@ -184,6 +184,20 @@ class MissingSetDevice(Rule):
             model = Net().cuda()
             """
         ),
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from myproject.training import Trainer  # its _init_model selects this process's GPU
+
+
+            class DDPTrainer(Trainer):
+                def _init_model(self, model):
+                    dist.init_process_group("nccl")
+                    model = super()._init_model(model)
+                    return DDP(model.cuda())
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -223,8 +237,12 @@ def _initialising_traces(ctx: LintContext) -> set[int]:
 
 
 def _external_setup(ctx: LintContext) -> bool:
-    """Whether a function from another module that sounds like distributed setup is called."""
+    """Whether a function from another module that sounds like distributed setup is called, or a
+    method of a base class this file does not define (`super()._init_model(model)`): the device
+    may well be selected there."""
     for node in ctx.nodes(cst.Call):
+        if _super_of_unseen_base(ctx, node):
+            return True
         text = dotted(node.func)
         if text is None:
             continue
@@ -238,6 +256,25 @@ def _external_setup(ctx: LintContext) -> bool:
             continue
         if SETUP_HELPER.search(last):
             return True
+    return False
+
+
+def _super_of_unseen_base(ctx: LintContext, call: cst.Call) -> bool:
+    """`super().method(...)` inside a class with a base of the project that this file does not
+    define (torch's own bases, such as `nn.Module`, select no device)."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call) and dotted(func.value.func) == "super"):
+        return False
+    for cls in ctx.nodes(cst.ClassDef):
+        if any(node is call for node in syntax.walk(cls)):
+            for base in cls.bases:
+                text = dotted(base.value)
+                qual = ctx.qualname(base.value) or ""
+                if text in (None, "object") or qual.startswith(("torch.", "horovod.", "typing.", "abc.")):
+                    continue  # nn.Module and the like select no device
+                if text.rsplit(".", 1)[-1] not in ctx.info.classes:
+                    return True
+            return False
     return False
 
 

@@ -413,6 +413,22 @@ class UnguardedCheckpointSave(Rule):
                     torch.save(model.module.state_dict(), "checkpoint.pt")
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import fairscale.nn.model_parallel.initialize as fs_init
+
+            dist.init_process_group("nccl")
+            fs_init.initialize_model_parallel(2)
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(epochs):
+                train(model)
+                # One writer per model-parallel shard: data-parallel rank 0, a file per shard.
+                if fs_init.get_data_parallel_rank() == 0:
+                    torch.save(model.module.state_dict(), f"consolidated.{fs_init.get_model_parallel_rank():02d}.pth")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -464,17 +480,19 @@ def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bo
 def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bool:
     """The save is in another branch than every start of the process group on its path
     (`if command == "train": train()` ... `elif command == "export": torch.save(...)`): a
-    single-process subcommand of a tool whose training is distributed."""
+    single-process subcommand of a tool whose training is distributed, or the single-GPU branch
+    beside `if args.multi_gpu: mp.spawn(worker, ...)`, which runs in one process."""
     starts = [
         other
         for other in trace.steps
         for call in syntax.own_calls(other.node)
         if (names.dotted(call.func) or "").rsplit(".", 1)[-1] in STARTERS
-        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP)
+        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS)
     ]
     return bool(starts) and all(other.excludes(step) for other in starts)
 
 
+SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 # What starts a process group, as `LintContext.process_group_initialised` names it.
 STARTERS = frozenset({"init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist"})
 

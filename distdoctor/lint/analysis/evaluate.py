@@ -24,6 +24,12 @@ from distdoctor.lint.analysis.kinds import (
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 
 
+# A process's rank within one parallel dimension (Megatron, fairscale, DeepSpeed helpers): rank 0
+# of the data-parallel group is one writer per model shard, and the model-parallel rank names it.
+PARALLEL_RANK_GETTERS = frozenset(
+    {"get_data_parallel_rank", "get_model_parallel_rank", "get_tensor_model_parallel_rank",
+     "get_pipeline_model_parallel_rank", "get_sequence_parallel_rank", "get_context_parallel_rank"}
+)
 # Packages whose attributes are APIs known by qualified name (or not at all), never read by name.
 LIBRARIES_BY_API = frozenset(
     {"torch", "horovod", "os", "sys", "numpy", "accelerate", "lightning", "pytorch_lightning", "deepspeed",
@@ -266,6 +272,8 @@ class Evaluator:
             return Value(PROCESS_COUNT_TEST, node, origin="call", attrs={"multi": True})
         if isinstance(func, cst.Name) and func.value in ("get_rank", "get_global_rank"):
             return Value(RANK, node, origin="call")
+        if isinstance(func, cst.Name) and func.value in PARALLEL_RANK_GETTERS:
+            return Value(RANK, node, origin="group")
         if isinstance(func, cst.Name) and func.value == "get_local_rank":
             return Value(LOCAL_RANK, node, origin="call")
         if isinstance(func, cst.Name) and func.value == "get_world_size":
@@ -338,6 +346,8 @@ class Evaluator:
             last = qual.rsplit(".", 1)[-1]
             if last in MAIN_PROCESS_FUNCS:
                 return rank_test(node, True, origin="call")
+            if last in PARALLEL_RANK_GETTERS:
+                return Value(RANK, node, origin="group")
             if last in ("get_rank", "get_global_rank"):
                 return Value(RANK, node, origin="call")
             if last == "get_local_rank":

@@ -64,8 +64,20 @@ class Step:
     def excludes(self, other: Step) -> bool:
         """Whether the two steps sit in different branches of one `if` (`if cmd == "train": ...
         elif cmd == "export": ...`): one pass through that `if` runs at most one of them."""
-        branches = {id(guard.test): guard.negated for guard in self.guards}
-        return any(branches.get(id(guard.test), guard.negated) != guard.negated for guard in other.guards)
+        branches: dict[object, bool] = {}
+        for guard in self.guards:
+            for key in _condition_keys(guard):
+                branches[key] = guard.negated
+        return any(
+            branches.get(key, guard.negated) != guard.negated for guard in other.guards for key in _condition_keys(guard)
+        )
+
+
+def _condition_keys(guard: Guard) -> tuple[object, ...]:
+    """What identifies a guard's condition: its `if`, and for a plain flag (`if ddp_bool:`,
+    `if args.distributed:`) the flag in its frame, so two `if`s on one flag are one condition."""
+    text = dotted(guard.test) if isinstance(guard.test, (cst.Name, cst.Attribute)) else None
+    return (id(guard.test),) if text is None else (id(guard.test), ("flag", id(guard.frame), text))
 
 
 @dataclass
