@@ -39,7 +39,9 @@ class MissingSetDevice(Rule):
     Only calls on the same code path as the initialisation (before or after it) count. Deliberately
     conservative: silent when the device may be chosen elsewhere — a launch helper
     from another module (`utils.init_distributed_mode(args)`, `setup_distributed()`), a framework
-    (accelerate, Lightning, DeepSpeed), `CUDA_VISIBLE_DEVICES` or SLURM's per-task GPU binding —
+    (accelerate, Lightning, DeepSpeed), `CUDA_VISIBLE_DEVICES` or SLURM's per-task GPU binding, a
+    project base class's method called through `super()`, or a helper that nothing in the file
+    calls (a utils module's `distributed_init(opts)`, whose caller may select the device first) —
     and for current-device calls that run on rank 0 only.
 
     ## Why is this bad?
@@ -84,6 +86,10 @@ class MissingSetDevice(Rule):
                 dist.init_process_group(backend="nccl")
                 model = Net().cuda()  # expect: DD003
                 model = DDP(model)
+
+
+            if __name__ == "__main__":
+                main()
             """
         ),
         Example(
@@ -108,6 +114,9 @@ class MissingSetDevice(Rule):
                     dist.init_process_group("nccl")
                     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                     self.model = DistributedDataParallel(model.to(self.device))  # expect: DD003
+
+
+            trainer = Trainer(Net())
             """
         ),
         Example(
@@ -198,6 +207,20 @@ class MissingSetDevice(Rule):
                     return DDP(model.cuda())
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def distributed_init(opts):
+                # A helper of a utils module: its caller (another file) selects the device first.
+                dist.init_process_group("nccl", init_method=opts.dist_url, world_size=opts.world_size, rank=opts.rank)
+                if torch.cuda.is_available():
+                    dist.all_reduce(torch.zeros(1).cuda())
+                return opts.rank
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -230,10 +253,12 @@ def _initialises_here(ctx: LintContext) -> bool:
 
 
 def _initialising_traces(ctx: LintContext) -> set[int]:
-    """id() of the traces that initialise the process group. Only current-device calls on such
-    a code path count: a library module whose helpers initialise in one function and allocate
-    in another says nothing about the script that calls them."""
-    return {id(trace) for trace, _, _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT)}
+    """id() of the traces that initialise the process group and are entry points of this file.
+    Only current-device calls on such a code path count: a library module whose helpers initialise
+    in one function and allocate in another says nothing about the script that calls them, and a
+    helper nothing here calls (`def distributed_init(opts): ...` in a utils module) may be called
+    after its caller selected the device."""
+    return {id(trace) for trace, _, _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT) if ctx.is_entry(trace)}
 
 
 def _external_setup(ctx: LintContext) -> bool:
