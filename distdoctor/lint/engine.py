@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Sequence

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, kinds, names
+from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import device_indices
 from distdoctor.lint.rule import Example, Report, Rule
@@ -301,15 +301,10 @@ def _flag_overwritten(ctx: LintContext) -> bool:
         qualified = ctx.qualname(value.func) or ""
         if callee is None or callee in defined or qualified.split(".", 1)[0] in KNOWN_LIBRARIES:
             continue
-        for target in node.targets:
-            pending = [target.target]
-            while pending:
-                current = pending.pop()
-                if isinstance(current, (cst.Tuple, cst.List)):
-                    pending.extend(element.value for element in current.elements)
-                elif isinstance(current, cst.Attribute) and current.attr.value == "local_rank":
-                    if names.dotted(current.value) not in (None, "self"):
-                        return True
+        for target in syntax.assigned_targets(node):
+            if isinstance(target, cst.Attribute) and target.attr.value == "local_rank":
+                if names.dotted(target.value) not in (None, "self"):
+                    return True
     return False
 
 

@@ -233,13 +233,6 @@ def _parsed_flag(ctx: LintContext, name: str) -> bool:
     )
     if not declared:
         return False
-    for node in ctx.nodes(cst.Assign):
-        for target in node.targets:
-            pending = [target.target]
-            while pending:
-                current = pending.pop()
-                if isinstance(current, (cst.Tuple, cst.List)):
-                    pending.extend(element.value for element in current.elements)
-                elif names.dotted(current) == name:
-                    return False
-    return True
+    return not any(
+        names.dotted(target) == name for node in ctx.nodes(cst.Assign) for target in syntax.assigned_targets(node)
+    )

@@ -190,3 +190,15 @@ def own_calls(node: cst.CSTNode) -> list[cst.Call]:
         _CALLS_MEMO.clear()
     _CALLS_MEMO[id(node)] = (node, calls)  # holding the node keeps its id from being reused
     return calls
+
+
+def assigned_targets(node: cst.Assign) -> Iterator[cst.BaseExpression]:
+    """Every name, attribute or subscript an assignment binds, through tuple and list unpacking
+    (`args.local_rank, args.rank, _ = get_envs()` binds three)."""
+    pending: list[cst.BaseExpression] = [target.target for target in node.targets]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, (cst.Tuple, cst.List)):
+            pending.extend(element.value for element in current.elements)
+        else:
+            yield current
