@@ -1,0 +1,145 @@
+"""DD206 sampler-sharded-by-local-rank: a DistributedSampler split by the local rank across nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.locality import is_one_node_count, local_rank_source, pinned_to_localhost
+from distdoctor.lint.rule import Example, Report, Rule
+
+SAMPLER = "torch.utils.data.DistributedSampler"
+
+
+class SamplerShardedByLocalRank(Rule):
+    """
+    ## What it does
+    Flags a `DistributedSampler` whose `rank=` is the node-local rank (`LOCAL_RANK`, the
+    `--local_rank` argument, `hvd.local_rank()`) or whose `num_replicas=` is one node's process
+    count (`torch.cuda.device_count()`, `LOCAL_WORLD_SIZE`, `hvd.local_size()`).
+
+    Silent for `mp.spawn` worker indices (a one-node job), when the script pins `MASTER_ADDR` to
+    this machine, and when the sampler is left to read the rank and world size from the process
+    group (no `rank=` / `num_replicas=`).
+
+    ## Why is this bad?
+    The sampler splits the dataset into `num_replicas` shards and gives shard `rank` to this
+    process. Split by node-local numbers, every node draws the same shards: on two nodes each
+    sample is seen twice per epoch and half of the dataset never, while the loss curve looks
+    normal. On one node nothing is wrong, so it survives every single-node test.
+
+    ## Example
+    ```python
+    sampler = DistributedSampler(dataset, num_replicas=torch.cuda.device_count(), rank=args.local_rank)
+    ```
+
+    ## Use instead
+    ```python
+    sampler = DistributedSampler(dataset)  # the process group's rank and world size
+    ```
+
+    ## Fix safety
+    No autofix: whether to drop the arguments or pass the global ones depends on how the script
+    starts its processes.
+    """
+
+    code = "DD206"
+    name = "sampler-sharded-by-local-rank"
+    severity = "error"
+    summary = "DistributedSampler split by the local rank or one node's process count"
+
+    invalid = (
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data.distributed import DistributedSampler
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)
+            args = parser.parse_args()
+            dist.init_process_group("nccl")
+            sampler = DistributedSampler(dataset, num_replicas=torch.cuda.device_count(), rank=args.local_rank)  # expect: DD206
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch.distributed as dist
+            from torch.utils.data.distributed import DistributedSampler
+
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=local_rank)  # expect: DD206
+            """
+        ),
+    )
+    valid = (
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.utils.data.distributed import DistributedSampler
+
+            dist.init_process_group("nccl")
+            sampler = DistributedSampler(dataset)
+            """
+        ),
+        Example(
+            """
+            import os
+            import torch.distributed as dist
+            from torch.utils.data.distributed import DistributedSampler
+
+            dist.init_process_group("nccl")
+            sampler = DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]))
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.utils.data.distributed import DistributedSampler
+
+
+            def worker(gpu, ngpus):
+                dist.init_process_group("nccl", init_method="tcp://127.0.0.1:23456", rank=gpu, world_size=ngpus)
+                sampler = DistributedSampler(dataset, num_replicas=ngpus, rank=gpu)
+
+
+            mp.spawn(worker, nprocs=torch.cuda.device_count(), args=(torch.cuda.device_count(),))
+            """
+        ),
+    )
+
+    def check(self, ctx: LintContext) -> Iterable[Report]:
+        if pinned_to_localhost(ctx):
+            return
+        for trace, step, call in ctx.calls(SAMPLER):
+            rank = syntax.argument(call, 2, "rank")
+            replicas = syntax.argument(call, 1, "num_replicas")
+            if rank is not None:
+                source = local_rank_source(ctx, trace, step, trace.value(rank, step))
+                if source is not None:
+                    yield Report(rank, _message(f"rank= is the local rank ({source})"))
+                    continue
+            if replicas is not None and is_one_node_count(ctx, replicas) and not _spawn_job(ctx, trace, step, rank):
+                yield Report(replicas, _message(f"num_replicas= is one node's process count (`{ctx.code(replicas)}`)"))
+
+
+def _spawn_job(ctx: LintContext, trace, step, rank) -> bool:
+    """`rank=gpu` with `gpu` an `mp.spawn` index: a one-node job by design."""
+    if rank is None:
+        return False
+    value = trace.value(rank, step)
+    return value is not None and value.origin == "spawn"
+
+
+def _message(what: str) -> str:
+    return (
+        f"{what}: on several nodes every node draws the same shards, so each sample is seen once per "
+        f"node and the rest of the dataset never. Let the sampler read the process group "
+        f"(`DistributedSampler(dataset)`), or pass the global rank and world size."
+    )
