@@ -182,7 +182,7 @@ def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rul
 CODE_NAMES = frozenset(
     {
         "distributed", "DistributedDataParallel", "DDP", "horovod", "hvd", "init_process_group", "SyncBatchNorm",
-        "convert_sync_batchnorm", "DistributedSampler", "get_rank", "local_rank", "rank", "world_size",
+        "convert_sync_batchnorm", "DistributedSampler", "get_rank", "local_rank",
         "fully_shard", "FSDP", "FullyShardedDataParallel", "init_distributed_mode", "init_distributed",
         "setup_distributed", "init_dist", "clip_grad_norm_", "clip_grad_value_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
     }
