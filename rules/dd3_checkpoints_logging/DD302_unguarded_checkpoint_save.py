@@ -83,7 +83,9 @@ class UnguardedCheckpointSave(Rule):
     Guards at the call site of a helper count (`if is_main_process(): save_checkpoint(...)`), as
     does code after `if rank != 0: return`. Files named per rank (`f"ckpt_{rank}.pt"`), saves of
     other data (features, predictions) and scripts that never start a process group stay
-    silent; so do functions that nothing in the file calls, whose callers cannot be seen.
+    silent; so do functions that nothing in the file calls, whose callers cannot be seen, and a
+    snapshot saved once per node to a path every rank loads back at start (torchrun's
+    fault-tolerance pattern: with storage local to each node, each node needs its own copy).
 
     ## Why is this bad?
     Every rank holds the same weights after the all-reduce, so every rank writes the same bytes
@@ -429,6 +431,25 @@ class UnguardedCheckpointSave(Rule):
                     torch.save(model.module.state_dict(), f"consolidated.{fs_init.get_model_parallel_rank():02d}.pth")
             """
         ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            # torchrun's fault tolerance: every rank resumes from the node's own snapshot.
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            model = torch.nn.parallel.DistributedDataParallel(Net().to(local_rank), device_ids=[local_rank])
+            snapshot_path = "snapshot.pt"
+            if os.path.exists(snapshot_path):
+                model.module.load_state_dict(torch.load(snapshot_path, map_location=f"cuda:{local_rank}"))
+            for epoch in range(epochs):
+                train(model)
+                if local_rank == 0:
+                    torch.save(model.module.state_dict(), snapshot_path)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -450,6 +471,8 @@ class UnguardedCheckpointSave(Rule):
             zero_guards = [guard for guard in guards if guard.zero]
             if zero_guards and not all(guard.local and not _tests_spawn_index(trace, step, guard.guard.test) for guard in zero_guards):
                 continue
+            if zero_guards and _snapshot_read_back_on_every_rank(ctx, syntax.argument(call, 1, "f")):
+                continue
             if zero_guards:
                 line = ctx.position(zero_guards[-1].guard.test).start.line
                 message = (
@@ -463,6 +486,21 @@ class UnguardedCheckpointSave(Rule):
                     "that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
                 )
             yield Report(call, message)
+
+
+def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression | None) -> bool:
+    """torchrun's fault-tolerance pattern: a snapshot saved once per node (local rank 0) to a path
+    that every rank loads back when the job restarts (`if os.path.exists(snapshot_path):
+    load(snapshot_path)`). With storage local to each node, each node needs its own copy: the
+    local-rank guard is the design, not a slip. Matched by the path's name."""
+    name = (dotted(path) or "").rsplit(".", 1)[-1] if path is not None else ""
+    if not name:
+        return False
+    for trace, step, call in ctx.calls(LOAD):
+        loaded = syntax.argument(call, 0, "f")
+        if loaded is not None and (dotted(loaded) or "").rsplit(".", 1)[-1] == name and not ctx.rank_guards(trace, step, uncertain=True):
+            return True
+    return False
 
 
 def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
@@ -492,6 +530,7 @@ def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> b
     return bool(starts) and all(other.excludes(step) for other in starts)
 
 
+LOAD = "torch.load"
 SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 # What starts a process group, as `LintContext.process_group_initialised` names it.
 STARTERS = frozenset({"init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist"})
