@@ -142,6 +142,24 @@ class AccumulationWithoutNoSync(Rule):
                             self.optimizer.zero_grad()
             """
         ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            optimizer = torch.optim.AdamW(model.parameters())
+            for step, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                loss.backward()  # expect: DD103
+                if (step + 1) % accum != 0:
+                    continue
+                optimizer.step()
+                optimizer.zero_grad()
+            """
+        ),
     )
     valid = (
         Example(
@@ -304,8 +322,8 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
                     yield other, call
                 continue
             other_guards = {id(guard.test) for guard in other.guards}
-            extra = [guard for guard in step.guards if id(guard.test) not in other_guards and not guard.negated]
-            if any(_is_periodic(guard.test) for guard in extra) and step_guards - other_guards:
+            extra = [guard for guard in step.guards if id(guard.test) not in other_guards]
+            if any(_periodic_guard(guard) for guard in extra) and step_guards - other_guards:
                 yield other, call
 
 
@@ -316,6 +334,23 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
         for other in trace.steps
         if other.in_loop(loop)
         for call in syntax.own_calls(other.node)
+    )
+
+
+def _periodic_guard(guard) -> bool:
+    """The step runs every k iterations under this guard: `if (i + 1) % k == 0: step()`, or after
+    `if (i + 1) % k != 0: continue` (a guard the step runs under when its test is false)."""
+    if not guard.negated:
+        return _is_periodic(guard.test)
+    test = guard.test
+    if isinstance(test, cst.BinaryOperation) and isinstance(test.operator, cst.Modulo):
+        return True  # `if step % k: continue`
+    return (
+        isinstance(test, cst.Comparison)
+        and len(test.comparisons) == 1
+        and isinstance(test.comparisons[0].operator, cst.NotEqual)
+        and _is_periodic(test.left)
+        and syntax.const_value(test.comparisons[0].comparator) == (True, 0)
     )
 
 
