@@ -65,10 +65,9 @@ class Config:
 
     def selected_rules(self) -> tuple[Rule, ...]:
         """The selected rules themselves (imports them)."""
-        from distdoctor.lint.rule import all_rules
+        from distdoctor.lint.rule import rules_with_codes
 
-        codes = set(self.selected_codes())
-        return tuple(rule for rule in all_rules() if rule.code in codes)
+        return tuple(rules_with_codes(self.selected_codes()))
 
     def _per_file_codes(self) -> Iterable[str]:
         for codes in self.per_file_ignores.values():

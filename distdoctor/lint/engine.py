@@ -6,6 +6,7 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 
 from __future__ import annotations
 
+import ast
 import codecs
 import difflib
 import hashlib
@@ -17,10 +18,10 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distdoctor import __version__
 from distdoctor.lint import guard
@@ -192,42 +193,32 @@ CODE_NAMES = frozenset(
 def _names_distributed_code(source: str) -> bool:
     """Whether the code (not its comments and strings, bar short ones) names one of CODE_NAMES;
     True when CPython cannot parse it (libcst decides then)."""
-    import ast
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
         return True
-    wanted = CODE_NAMES
     for node in ast.walk(tree):
-        kind = type(node)
-        if kind is ast.Name:
-            if node.id in wanted:
-                return True
-        elif kind is ast.Attribute:
-            if node.attr in wanted:
-                return True
-        elif kind is ast.Constant:
-            if type(node.value) is str and node.value in wanted:
-                return True
-        elif kind is ast.alias:
-            if any(part in wanted for part in node.name.split(".")) or node.asname in wanted:
-                return True
-        elif kind is ast.ImportFrom:
-            if node.module and any(part in wanted for part in node.module.split(".")):
-                return True
-        elif kind is ast.keyword:
-            if node.arg in wanted:
-                return True
-        elif kind is ast.arg:
-            if node.arg in wanted:
-                return True
-        elif kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
-            if node.name in wanted:
-                return True
+        names_of = _NAMES_OF.get(type(node))
+        if names_of is not None and not CODE_NAMES.isdisjoint(names_of(node)):
+            return True
     return False
+
+
+# The names each kind of `ast` node puts in the code (a string constant counts whole: the
+# launcher's variables are read as `os.environ["LOCAL_RANK"]`).
+_NAMES_OF: dict[type, Callable[[Any], Iterable[Any]]] = {
+    ast.Name: lambda node: (node.id,),
+    ast.Attribute: lambda node: (node.attr,),
+    ast.Constant: lambda node: (node.value,) if type(node.value) is str else (),
+    ast.alias: lambda node: (*node.name.split("."), node.asname),
+    ast.ImportFrom: lambda node: node.module.split(".") if node.module else (),
+    ast.keyword: lambda node: (node.arg,),
+    ast.arg: lambda node: (node.arg,),
+    ast.FunctionDef: lambda node: (node.name,),
+    ast.AsyncFunctionDef: lambda node: (node.name,),
+}
 
 
 def _python_syntax_error(source: str) -> Exception | None:
@@ -608,10 +599,9 @@ def _lint_job(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
 
 def _rules(codes: Sequence[str]) -> list[Rule]:
     """The rules of `codes`, imported on this first use."""
-    from distdoctor.lint.rule import all_rules
+    from distdoctor.lint.rule import rules_with_codes
 
-    wanted = set(codes)
-    return [rule for rule in all_rules() if rule.code in wanted]
+    return rules_with_codes(codes)
 
 
 def _crashed(job: tuple[str, str, tuple[str, ...]]) -> FileResult:

@@ -110,5 +110,11 @@ def _rule_classes(module: object) -> Iterator[type[Rule]]:
             yield value
 
 
+def rules_with_codes(codes: Iterable[str]) -> list[Rule]:
+    """The rules of `codes`, in code order."""
+    wanted = set(codes)
+    return [rule for rule in all_rules() if rule.code in wanted]
+
+
 def rule_by_code(code: str) -> Rule | None:
     return next((rule for rule in all_rules() if rule.code == code), None)

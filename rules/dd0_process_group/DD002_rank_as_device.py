@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, names, syntax
+from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import DeviceIndex, device_indices
 from distdoctor.lint.analysis.kinds import Value
@@ -16,7 +16,6 @@ from distdoctor.lint.rule import Example, Report, Rule
 # `rank` (origin "name"/"attr") is often an `mp.spawn` index or a single-node rank handed in by a
 # caller the analysis did not see: too weak to call it global.
 GLOBAL_ORIGINS = frozenset({"env", "dist", "hvd", "arith"})
-INIT = "torch.distributed.init_process_group"
 RANK_GETTERS = frozenset({"get_rank", "get_global_rank"})
 
 
@@ -289,7 +288,7 @@ def _rank_handed_in(ctx: LintContext, value: Value) -> bool:
     Only when the process group reads RANK from the launcher's environment is it surely global."""
     if value.origin != "dist":
         return False
-    for trace, step, call in ctx.calls(INIT):
+    for trace, step, call in ctx.calls(frameworks.INIT_PROCESS_GROUP):
         rank = syntax.argument(call, 4, "rank")
         if rank is None:
             continue

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, syntax
+from distdoctor.lint.analysis import frameworks
 
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import (
@@ -290,16 +290,16 @@ def _super_of_unseen_base(ctx: LintContext, call: cst.Call) -> bool:
     func = call.func
     if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call) and dotted(func.value.func) == "super"):
         return False
-    for cls in ctx.nodes(cst.ClassDef):
-        if any(node is call for node in syntax.walk(cls)):
-            for base in cls.bases:
-                text = dotted(base.value)
-                qual = ctx.qualname(base.value) or ""
-                if text in (None, "object") or qual.startswith(("torch.", "horovod.", "typing.", "abc.")):
-                    continue  # nn.Module and the like select no device
-                if text.rsplit(".", 1)[-1] not in ctx.info.classes:
-                    return True
-            return False
+    cls = next((node for node in ctx.ancestors(call) if isinstance(node, cst.ClassDef)), None)
+    if cls is None:
+        return False
+    for base in cls.bases:
+        text = dotted(base.value)
+        qual = ctx.qualname(base.value) or ""
+        if text in (None, "object") or qual.startswith(("torch.", "horovod.", "typing.", "abc.")):
+            continue  # nn.Module and the like select no device
+        if text.rsplit(".", 1)[-1] not in ctx.info.classes:
+            return True
     return False
 
 

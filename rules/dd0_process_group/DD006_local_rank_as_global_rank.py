@@ -6,13 +6,11 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.locality import local_rank_source, one_node_size, pinned_to_localhost
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
-
-INIT = "torch.distributed.init_process_group"
 
 
 class LocalRankAsGlobalRank(Rule):
@@ -129,7 +127,7 @@ class LocalRankAsGlobalRank(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        for trace, step, call in ctx.calls(INIT):
+        for trace, step, call in ctx.calls(frameworks.INIT_PROCESS_GROUP):
             rank = syntax.argument(call, 4, "rank")
             if rank is None or _one_node(ctx, trace, step, call) or pinned_to_localhost(ctx):
                 continue

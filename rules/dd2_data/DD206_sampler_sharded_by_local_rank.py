@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.locality import is_one_node_count, local_rank_source, pinned_to_localhost
 from distdoctor.lint.rule import Example, Report, Rule
-
-SAMPLER = "torch.utils.data.DistributedSampler"
-
 
 class SamplerShardedByLocalRank(Rule):
     """
@@ -117,7 +114,7 @@ class SamplerShardedByLocalRank(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if pinned_to_localhost(ctx):
             return
-        for trace, step, call in ctx.calls(SAMPLER):
+        for trace, step, call in ctx.calls(*frameworks.SAMPLER_QUALS):
             rank = syntax.argument(call, 2, "rank")
             replicas = syntax.argument(call, 1, "num_replicas")
             if rank is not None:

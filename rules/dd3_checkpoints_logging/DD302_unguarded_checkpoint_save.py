@@ -520,20 +520,15 @@ def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> b
     (`if command == "train": train()` ... `elif command == "export": torch.save(...)`): a
     single-process subcommand of a tool whose training is distributed, or the single-GPU branch
     beside `if args.multi_gpu: mp.spawn(worker, ...)`, which runs in one process."""
-    starts = [
-        other
-        for other in trace.steps
-        for call in syntax.own_calls(other.node)
-        if (names.dotted(call.func) or "").rsplit(".", 1)[-1] in STARTERS
-        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS)
-    ]
-    return bool(starts) and all(other.excludes(step) for other in starts)
+    return trace.only_in_other_branches(
+        step,
+        lambda call: (names.dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
+        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS),
+    )
 
 
 LOAD = "torch.load"
 SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
-# What starts a process group, as `LintContext.process_group_initialised` names it.
-STARTERS = frozenset({"init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist"})
 
 
 def _multi_process(ctx: LintContext) -> bool:

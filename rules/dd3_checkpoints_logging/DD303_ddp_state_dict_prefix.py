@@ -392,8 +392,7 @@ class DDPStateDictPrefix(Rule):
 def _other_branch(trace, step, wrapper: kinds.Value) -> bool:
     """The wrap and this step sit in different branches of one condition (the same `if`, or two
     `if`s on the same flag): where this step runs, the model was never wrapped."""
-    wraps = [other for other in trace.steps if any(call is wrapper.node for call in syntax.own_calls(other.node))]
-    return bool(wraps) and all(other.excludes(step) for other in wraps)
+    return trace.only_in_other_branches(step, lambda call: call is wrapper.node)
 
 
 def _wrappers_restored_from_checkpoints(ctx: LintContext) -> list[kinds.Value]:

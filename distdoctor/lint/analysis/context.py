@@ -155,10 +155,9 @@ class LintContext:
     @cached_property
     def process_group_initialised(self) -> bool:
         """Whether `torch.distributed.init_process_group` (or an equivalent) is called."""
-        names = ("init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist")
         for _, call in self._all_calls:
             text = dotted(call.func) or ""
-            if text.rsplit(".", 1)[-1] in names:
+            if text.rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS:
                 return True
         return False
 
@@ -207,6 +206,13 @@ class LintContext:
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         return self._parents.get(id(node))
+
+    def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+        """The nodes that contain `node`, innermost first, up to the module."""
+        current = self.parent(node)
+        while current is not None:
+            yield current
+            current = self.parent(current)
 
     @cached_property
     def _parents(self) -> dict[int, cst.CSTNode]:

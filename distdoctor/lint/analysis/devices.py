@@ -25,7 +25,7 @@ SET_DEVICE_INDEX = "torch.accelerator.set_device_index"
 DEVICE_CONTEXT = "torch.cuda.device"
 TORCH_DEVICE = "torch.device"
 DDP = frameworks.DDP
-INIT_PROCESS_GROUP = "torch.distributed.init_process_group"
+INIT_PROCESS_GROUP = frameworks.INIT_PROCESS_GROUP
 
 
 @dataclass(frozen=True)

@@ -80,36 +80,29 @@ class Env(Mapping):
         return Env(self.base, dict(self.local))
 
 
-_UNSET = object()
-
-
-def _constant(value: Any) -> bool:
-    """A literal the other branch of an `if` may not share (`self.args.rank = -1` on the
-    single-process branch only): after the `if` the name holds it or something unknown."""
-    return getattr(value, "kind", None) == "const"
-
-
-def merge(first: Mapping[Any, Any], second: Mapping[Any, Any], choose) -> Env:
+def merge(first: Mapping[Any, Any], second: Mapping[Any, Any], choose, one_sided=lambda value: True) -> Env:
     """The environment after an if/else, `choose(first_value, second_value)` where both branches
-    bound a key to different values. Only the keys either branch bound since their common base
-    can differ, so when the branches share one only those are looked at."""
+    bound a key to different values; a key only one branch bound, and unbound before, keeps its
+    value where `one_sided(value)` allows it and is left unbound otherwise. Only the keys either
+    branch bound since their common base can differ, so when the branches share one only those
+    are looked at."""
     if isinstance(first, Env) and isinstance(second, Env) and first.base is second.base:
         merged = dict(second.local)
         for key, value in first.local.items():
             other = second.get(key)
-            if other is None and _constant(value):
-                merged[key] = _UNSET  # a constant in one branch only: the other kept whatever it held
+            if other is None and not one_sided(value):
+                merged.pop(key, None)
                 continue
             merged[key] = value if other is None or other is value else choose(value, other)
         for key, other in second.local.items():
             if key in first.local:
                 continue
             value = first.base.get(key)
-            if value is None and _constant(other):
-                merged[key] = _UNSET
+            if value is None and not one_sided(other):
+                del merged[key]
             elif value is not None and value is not other:
                 merged[key] = choose(value, other)
-        return Env(first.base, {key: value for key, value in merged.items() if value is not _UNSET})
+        return Env(first.base, merged)
     merged_all = dict(second.items())
     for key, value in first.items():
         other = second.get(key)

@@ -14,6 +14,12 @@ DDP_QUALS = (DDP,)
 FSDP_PREFIX = "torch.distributed.fsdp"
 CONVERT_SYNCBN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm",)
 HOROVOD_INIT = "horovod.torch.init"
+INIT_PROCESS_GROUP = "torch.distributed.init_process_group"
+# What starts a process group, by the last part of the name called: torch's own call and the
+# project helpers that wrap it in most research code.
+PROCESS_GROUP_STARTERS = frozenset(
+    {"init_process_group", "init_distributed_mode", "init_distributed", "setup_distributed", "init_dist"}
+)
 HVD_OPTIMIZER = "horovod.torch.DistributedOptimizer"
 DATALOADER = "torch.utils.data.DataLoader"
 

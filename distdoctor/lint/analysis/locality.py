@@ -4,8 +4,6 @@ are right on one node and wrong on several (DD006, DD206)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import libcst as cst
 
 from distdoctor.lint.analysis import kinds, names, syntax
@@ -57,16 +55,9 @@ def pinned_to_localhost(ctx) -> bool:
             continue
         for target in node.targets:
             if isinstance(target.target, cst.Subscript) and "MASTER_ADDR" in ctx.code(target.target):
-                if not any(isinstance(parent, cst.If) for parent in _ancestors(ctx, node)):
+                if not any(isinstance(parent, cst.If) for parent in ctx.ancestors(node)):
                     return True
     return False
-
-
-def _ancestors(ctx, node: cst.CSTNode) -> Iterable[cst.CSTNode]:
-    current = ctx.parent(node)
-    while current is not None:
-        yield current
-        current = ctx.parent(current)
 
 
 def local_rank_source(ctx, trace: Trace, step: Step, value: Value | None) -> str | None:

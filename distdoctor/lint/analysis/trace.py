@@ -15,7 +15,7 @@ and rules stay silent on it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -99,6 +99,12 @@ class Trace:
         for step in self.steps:
             for call in own_calls(step.node):
                 yield step, call
+
+    def only_in_other_branches(self, step: Step, wanted: Callable[[cst.Call], bool]) -> bool:
+        """Whether some step makes a call `wanted` accepts, and every such step sits in another
+        branch than `step` (see `Step.excludes`): where `step` runs, that call never ran."""
+        found = [other for other, call in self.calls() if wanted(call)]
+        return bool(found) and all(other.excludes(step) for other in found)
 
 
 MAX_DEPTH = 6
@@ -369,7 +375,13 @@ def _merge_branches(first: Mapping[Any, Value], second: Mapping[Any, Value]) -> 
     """The state after an if/else: where the branches disagree, keep the value that says more
     about distributed training (`master = rank == 0` in one branch, `master = True` in the
     other, is a rank test), else the first branch's."""
-    return merge(first, second, _more_telling)
+    return merge(first, second, _more_telling, one_sided=_kept_from_one_branch)
+
+
+def _kept_from_one_branch(value: Value) -> bool:
+    """A literal bound in one branch only (`self.args.rank = -1` on the single-process branch) is
+    not what the name holds after the `if`: the other branch kept whatever it held before."""
+    return value.kind != CONST
 
 
 def _more_telling(value: Value, other: Value) -> Value:
