@@ -58,6 +58,10 @@ FACTS = textwrap.dedent(
     tp = parallelize_module(tp, init_device_mesh("cpu", (2,)), {"0": ColwiseParallel()})
     print(rank, "tp-replaced", not ({id(p) for p in tp.parameters()} & before))  # DD501 for TP
     dist.destroy_process_group()
+    # Every fact is written. torch 2.13 on gloo sometimes aborts in its own C++ teardown at
+    # interpreter exit ("terminate called without an active exception", about one run in three
+    # under load, after destroy_process_group returned): leave without it, the facts are the test.
+    os._exit(0)
     """
 )
 
