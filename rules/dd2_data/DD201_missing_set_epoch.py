@@ -356,6 +356,9 @@ def _external_calls(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
                 yield trace, step, call
 
 
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
 def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
     """A call into code we cannot see (another module) that may iterate what it is given. Calls
     to this module's functions are inlined in the trace; torch APIs and builtins do not iterate."""
@@ -365,7 +368,7 @@ def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
         return not qual.startswith(("torch", "horovod", "builtins", "os", "math", "time"))
     if isinstance(func, cst.Name):
         local = func.value in ctx.info.functions or func.value in ctx.info.classes
-        return not local and func.value not in dir(builtins)
+        return not local and func.value not in _BUILTIN_NAMES
     return isinstance(func, cst.Attribute) and dotted(func.value) != "self"
 
 

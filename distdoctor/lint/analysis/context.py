@@ -125,10 +125,18 @@ class LintContext:
 
     def method_calls(self, method: str) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """`<something>.method(...)` calls on the code path, whatever the receiver."""
+        return iter(self._method_calls.get(method, ()))
+
+    @cached_property
+    def _method_calls(self) -> dict[str, list[tuple[Trace, Step, cst.Call]]]:
+        """Every `<something>.method(...)` call on the code path, in path order, by method name:
+        one pass over the traces instead of one per method asked."""
+        by_method: dict[str, list[tuple[Trace, Step, cst.Call]]] = {}
         for trace in self.traces:
             for step, call in trace.calls():
-                if isinstance(call.func, cst.Attribute) and call.func.attr.value == method:
-                    yield trace, step, call
+                if type(call.func) is cst.Attribute:
+                    by_method.setdefault(call.func.attr.value, []).append((trace, step, call))
+        return by_method
 
     # --- what kind of script ----------------------------------------------------------------
     @cached_property

@@ -112,12 +112,16 @@ def walk(node: cst.CSTNode, skip: tuple[type, ...] = ()) -> Iterator[cst.CSTNode
     not descending into nodes of the `skip` types nor into layout (whitespace, commas,
     parentheses). Much faster than a libcst visitor, which rebuilds every node it passes."""
     kinds = _KIND
+    fields_of = _CODE_FIELDS
     stack = [node]
     while stack:
         current = stack.pop()
         yield current
         children: list[cst.CSTNode] = []
-        for name in _code_fields(type(current)):
+        fields = fields_of.get(type(current))
+        if fields is None:
+            fields = _code_fields(type(current))
+        for name in fields:
             value = getattr(current, name)
             kind = kinds.get(type(value))
             if kind is None:
