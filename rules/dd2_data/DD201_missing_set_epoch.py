@@ -67,6 +67,22 @@ class MissingSetEpoch(Rule):
 
     invalid = (
         Example(
+            # The helper's `shuffle` parameter is bound to True at the call.
+            """
+            from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+            def make_sampler(dataset, shuffle, distributed):
+                if distributed:
+                    return DistributedSampler(dataset, shuffle=shuffle)
+                return RandomSampler(dataset)
+
+            train_loader = DataLoader(train_set, batch_size=64, sampler=make_sampler(train_set, shuffle=True, distributed=True))
+            for epoch in range(10):  # expect: DD201
+                for x, y in train_loader:
+                    step(x, y)
+            """
+        ),
+        Example(
             """
             from torch.utils.data import DataLoader, DistributedSampler
 
@@ -173,6 +189,22 @@ class MissingSetEpoch(Rule):
         ),
     )
     valid = (
+        Example(
+            # The same helper asked for an ordered sampler: nothing to reshuffle.
+            """
+            from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+            def make_sampler(dataset, shuffle, distributed):
+                if distributed:
+                    return DistributedSampler(dataset, shuffle=shuffle)
+                return SequentialSampler(dataset)
+
+            train_loader = DataLoader(train_set, batch_size=64, sampler=make_sampler(train_set, shuffle=False, distributed=True))
+            for epoch in range(10):
+                for x, y in train_loader:
+                    step(x, y)
+            """
+        ),
         Example(
             """
             from torch.utils.data import DataLoader, DistributedSampler

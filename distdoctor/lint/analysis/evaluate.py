@@ -303,7 +303,10 @@ class Evaluator:
             if shuffle is not None:
                 known, shuffle_value = const_value(shuffle)
                 if not known:
-                    shuffle_value = None  # computed: unknown
+                    # A name bound to a constant (`shuffle=shuffle` in a helper called with
+                    # `shuffle=True`), else computed: unknown.
+                    bound = self.eval(shuffle)
+                    shuffle_value = bound.attrs.get("value") if bound is not None and bound.kind == CONST else None
             return Value(SAMPLER, node, attrs={"shuffle": shuffle_value})
         if qual in frameworks.LOADER_QUALS:
             # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
