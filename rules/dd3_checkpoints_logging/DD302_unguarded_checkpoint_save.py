@@ -9,7 +9,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.trace import Step, Trace
+from distdoctor.lint.analysis.trace import Step, Trace, flag_test
 from distdoctor.lint.analysis import names
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -119,6 +119,25 @@ class UnguardedCheckpointSave(Rule):
     summary = "torch.save of training state on every rank (or once per node)"
 
     invalid = (
+        Example(
+            # `--save` is a command-line option every rank parses alike, not a per-rank flag.
+            """
+            import argparse
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+            from project.dist_utils import init_dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--save", action="store_true")
+            args = parser.parse_args()
+            init_dist(args)
+            model = DistributedDataParallel(Net().cuda(args.gpu), device_ids=[args.gpu])
+            for epoch in range(10):
+                train(model)
+                if args.save:
+                    torch.save(model.module.state_dict(), f"epoch{epoch}.pt")  # expect: DD302
+            """
+        ),
         Example(
             # The -1 term is "not distributed"; when distributed the local rank decides.
             """
@@ -450,6 +469,46 @@ class UnguardedCheckpointSave(Rule):
                     torch.save(model.module.state_dict(), snapshot_path)
             """
         ),
+        Example(
+            # A flag that the project's init helper (another module) sets on one rank: this file
+            # cannot show which, so the rule stays silent.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+            from project.config import settings
+            from project.dist_utils import init_dist
+
+            init_dist(settings)
+            model = DistributedDataParallel(Net().cuda(settings.gpu), device_ids=[settings.gpu])
+            for epoch in range(settings.epochs):
+                train(model)
+                if settings.is_writer:
+                    torch.save(model.module.state_dict(), f"epoch{epoch}.pt")
+            """
+        ),
+        Example(
+            # One flag tested as `== True` twice: the plain save is the single-process branch.
+            """
+            import torch
+            import torch.distributed as dist
+
+            distributed = bool(args.distributed)
+            if distributed == True:
+                dist.init_process_group("nccl")
+                rank = dist.get_rank()
+                model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            else:
+                rank = 0
+                model = Net().cuda()
+            for epoch in range(10):
+                train(model)
+            if distributed == True:
+                if rank == 0:
+                    torch.save(model.module.state_dict(), "model.pt")
+            else:
+                torch.save(model.state_dict(), "model.pt")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -464,6 +523,8 @@ class UnguardedCheckpointSave(Rule):
             if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
                 continue
             if _off_the_distributed_branch(ctx, trace, step):
+                continue
+            if _under_flag_set_by_starter(ctx, trace, step):
                 continue
             guards = ctx.rank_guards(trace, step, uncertain=True)
             if any(not guard.zero or not guard.certain for guard in guards):
@@ -525,6 +586,50 @@ def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> b
         lambda call: (names.dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
         or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS),
     )
+
+
+def _under_flag_set_by_starter(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """The save is under a flag of an object that a process-group helper of another module was
+    handed first (`init_dist(opt)` ... `if opt.log: torch.save(...)`), and nothing in this file
+    sets or declares that flag: the helper most likely set it on one rank (`opt.log = rank == 0`),
+    which this file cannot show. Cannot tell: stay silent."""
+    for guard in step.guards:
+        flag = flag_test(guard.test)
+        if flag is None or "." not in flag[0]:
+            continue
+        value = trace.value(guard.test, step)
+        if value is not None and value.kind != kinds.UNKNOWN:
+            continue
+        holder, _, attribute = flag[0].rpartition(".")
+        if _set_or_declared_here(ctx, attribute):
+            continue
+        for other, call in trace.calls():
+            if other.index >= step.index:
+                break
+            helper = dotted(call.func) or ""
+            if helper.rsplit(".", 1)[-1] not in frameworks.PROCESS_GROUP_STARTERS or ctx.qualname(call.func) == frameworks.INIT_PROCESS_GROUP:
+                continue
+            if helper in ctx.info.functions:
+                continue  # a function of this module: inlined, its assignments are known
+            if any(dotted(arg.value) == holder for arg in call.args):
+                return True
+    return False
+
+
+def _set_or_declared_here(ctx: LintContext, attribute: str) -> bool:
+    """Whether this file assigns `<something>.attribute` or declares `--attribute` (or
+    `dest="attribute"`) on an argument parser."""
+    for node in ctx.nodes(cst.Assign, cst.AugAssign, cst.AnnAssign):
+        targets = list(syntax.assigned_targets(node)) if isinstance(node, cst.Assign) else [node.target]
+        if any(isinstance(target, cst.Attribute) and target.attr.value == attribute for target in targets):
+            return True
+    for call in ctx.nodes(cst.Call):
+        if isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument":
+            for arg in call.args:
+                known, text = syntax.const_value(arg.value)
+                if known and isinstance(text, str) and text.lstrip("-").replace("-", "_") == attribute:
+                    return True
+    return False
 
 
 LOAD = "torch.load"

@@ -66,18 +66,43 @@ class Step:
         elif cmd == "export": ...`): one pass through that `if` runs at most one of them."""
         branches: dict[object, bool] = {}
         for guard in self.guards:
-            for key in _condition_keys(guard):
-                branches[key] = guard.negated
+            for key, negated in _condition_keys(guard):
+                branches[key] = negated
         return any(
-            branches.get(key, guard.negated) != guard.negated for guard in other.guards for key in _condition_keys(guard)
+            branches.get(key, negated) != negated for guard in other.guards for key, negated in _condition_keys(guard)
         )
 
 
-def _condition_keys(guard: Guard) -> tuple[object, ...]:
-    """What identifies a guard's condition: its `if`, and for a plain flag (`if ddp_bool:`,
-    `if args.distributed:`) the flag in its frame, so two `if`s on one flag are one condition."""
-    text = dotted(guard.test) if isinstance(guard.test, (cst.Name, cst.Attribute)) else None
-    return (id(guard.test),) if text is None else (id(guard.test), ("flag", id(guard.frame), text))
+def _condition_keys(guard: Guard) -> tuple[tuple[object, bool], ...]:
+    """What identifies a guard's condition, with the side the step is on: its `if`, and for a
+    flag (`if ddp_bool:`, `if args.distributed:`, `if not ddp:`, `if (parallel == True):`) the
+    flag in its frame, so two `if`s on one flag are one condition."""
+    own = (id(guard.test), guard.negated)
+    flag = flag_test(guard.test)
+    if flag is None:
+        return (own,)
+    text, inverted = flag
+    return own, (("flag", id(guard.frame), text), guard.negated != inverted)
+
+
+def flag_test(test: cst.BaseExpression) -> tuple[str, bool] | None:
+    """The flag a test reads and whether the test is its negation: `flag`, `not flag`,
+    `flag == True`, `flag is False`, `flag != False`... (a name or an attribute), else None."""
+    inverted = False
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        test, inverted = test.expression, True
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        target = test.comparisons[0]
+        literal = target.comparator
+        if not (isinstance(literal, cst.Name) and literal.value in ("True", "False")):
+            return None
+        if not isinstance(target.operator, (cst.Equal, cst.Is, cst.NotEqual, cst.IsNot)):
+            return None
+        negative = isinstance(target.operator, (cst.NotEqual, cst.IsNot))
+        inverted ^= (literal.value == "False") != negative
+        test = test.left
+    text = dotted(test) if isinstance(test, (cst.Name, cst.Attribute)) else None
+    return None if text is None else (text, inverted)
 
 
 @dataclass
