@@ -54,6 +54,22 @@ class DDPModuleBypass(Rule):
 
     invalid = (
         Example(
+            # The distributed branch of the conditional is the bare module.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = Net().cuda()
+            ddp_net = DDP(net, device_ids=[local_rank])
+            model = ddp_net.module if args.distributed else net
+            for batch in loader:
+                loss = model(batch).mean()  # expect: DD102
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,6 +138,28 @@ class DDPModuleBypass(Rule):
     )
     valid = (
         Example(
+            # `x if not is_ddp else x_ddp`: a multi-process job takes the wrapper.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def __init__(self, is_ddp=False):
+                    self.is_ddp = is_ddp
+                    self.net = Net().cuda()
+                    if self.is_ddp:
+                        self.net_ddp = DDP(self.net)
+
+                def train(self, loader, optimizer):
+                    model = self.net if not self.is_ddp else self.net_ddp
+                    for batch in loader:
+                        loss = model(batch).mean()
+                        optimizer.zero_grad()
+                        loss.backward()
+                        optimizer.step()
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -173,12 +211,20 @@ class DDPModuleBypass(Rule):
                     continue
                 if not _reaches_backward(ctx, trace, step, call):
                     continue
-                name = wrapper.name or "the DDP model"
+                # Name the wrapper by what the code wrote (`ddp_net.module(x)`); `wrapper.name` is
+                # the module it wraps (`DDP(net)`), which is not the thing to call.
+                called = dotted(call.func) or ""
+                if called.endswith(".module"):
+                    holder = called[: -len(".module")]
+                    where, advice = f"wrapper `{holder}`", f"Call the wrapper itself: `{holder}(...)`."
+                else:
+                    where = f"wrapper of `{wrapper.name}`" if wrapper.name else "wrapper"
+                    advice = "Call the wrapper itself, not its `.module`."
                 yield Report(
                     call,
-                    f"this forward goes around the DistributedDataParallel wrapper `{name}` and its result "
+                    f"this forward goes around the DistributedDataParallel {where} and its result "
                     f"reaches backward(): its gradients are never all-reduced and the replicas drift apart. "
-                    f"Call the wrapper itself: `{name}(...)`.",
+                    f"{advice}",
                 )
 
 

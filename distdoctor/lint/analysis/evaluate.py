@@ -360,6 +360,10 @@ class Evaluator:
         return None
 
     def _eval_IfExp(self, node: cst.IfExp) -> Value | None:
+        test = self.eval(node.test)
+        if test is not None and test.kind == PROCESS_COUNT_TEST and test.attrs.get("multi") is not None:
+            # `G if not is_ddp else G_ddp`: the branch a multi-process job takes.
+            return self.eval(node.body if test.attrs["multi"] else node.orelse)
         body = self.eval(node.body)
         orelse = self.eval(node.orelse)
         return body if body is not None and body.kind != CONST else orelse
