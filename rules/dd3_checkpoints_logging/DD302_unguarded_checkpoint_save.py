@@ -120,6 +120,23 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # A flag set under a condition every rank shares is no rank guard.
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(10):
+                train(model)
+                due = False
+                if epoch % 5 == 0:
+                    due = True
+                if due:
+                    torch.save(model.module.state_dict(), f"epoch{epoch}.pt")  # expect: DD302
+            """
+        ),
+        Example(
             # `--save` is a command-line option every rank parses alike, not a per-rank flag.
             """
             import argparse
@@ -507,6 +524,27 @@ class UnguardedCheckpointSave(Rule):
                     torch.save(model.module.state_dict(), "model.pt")
             else:
                 torch.save(model.state_dict(), "model.pt")
+            """
+        ),
+        Example(
+            # A flag that starts False and is set True on rank 0 (or in the single-process branch)
+            # is a rank test.
+            """
+            import torch
+            import torch.distributed as dist
+
+            is_writer = False
+            if args.local_rank != -1:
+                dist.init_process_group("nccl")
+                if dist.get_rank() == 0:
+                    is_writer = True
+            else:
+                is_writer = True
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(10):
+                train(model)
+                if is_writer:
+                    torch.save(model.module.state_dict(), "model.pt")
             """
         ),
     )

@@ -27,7 +27,7 @@ from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
 from distdoctor.lint.analysis.syntax import keyword, own_calls
 from distdoctor.lint.analysis.kinds import (
-    UNKNOWN, LOCAL_RANK, RANK, RANK_NAMES, INSTANCE, TUPLE, CONST, Value,
+    UNKNOWN, LOCAL_RANK, RANK, RANK_NAMES, RANK_TEST, INSTANCE, TUPLE, CONST, Value,
 )
 
 
@@ -187,17 +187,21 @@ class _Builder:
             self.test_results[id(stmt)] = results
             self.emit(stmt, stmt, frame, loops, guards, block, results)
             before = self.env
+            test = self.evaluate(stmt.test, frame, results)
             self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame, results)))
             orelse = stmt.orelse
             negated = (*guards, Guard(stmt.test, True, frame, results))
+            after_body = after_other = self.env
             if orelse is not None:
-                after_body = self.env
                 self.env = before  # the other branch starts from the state before the `if`
                 if isinstance(orelse, cst.If):
                     self.run_statement(orelse, frame, loops, negated, block)
                 else:
                     self.run_block(orelse, orelse.body.body, frame, loops, negated)
+                after_other = self.env
                 self.env = _merge_branches(after_body, self.env)
+            if test is not None and test.kind == RANK_TEST:
+                self.env = _flags_set_by_rank_test(test, after_body, before if orelse is None else after_other, self.env)
         elif isinstance(stmt, (cst.For, cst.While)):
             self.emit(stmt, stmt, frame, loops, guards, block)
             if isinstance(stmt, cst.For):
@@ -389,6 +393,27 @@ class _Builder:
                     value = Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)  # `fn(rank=0, ...)`
                 if value is not None:
                     self.env = self.env.bind(("local", frame.id, arg.keyword.value), value)
+
+
+def _flags_set_by_rank_test(test: Value, body: Env, other: Env, merged: Env) -> Env:
+    """`is_main = False` then `if rank == 0: is_main = True` (or an else branch that sets the
+    other value): after the `if` the flag is true on the ranks the test lets through, a rank test
+    itself, where binding the branch's constant would say every rank holds it."""
+    if not isinstance(body, Env) or not isinstance(other, Env):
+        return merged
+    for key, value in body.local.items():
+        if value.kind != CONST or type(value.attrs.get("value")) is not bool:
+            continue
+        before = other.get(key)
+        if before is None or before is value or before.kind != CONST or type(before.attrs.get("value")) is not bool:
+            continue
+        if before.attrs["value"] == value.attrs["value"]:
+            continue
+        true_side, false_side = test.attrs.get("true"), test.attrs.get("false")
+        if not value.attrs["value"]:
+            true_side, false_side = false_side, true_side
+        merged = merged.bind(key, replace(test, node=value.node, attrs={"true": true_side, "false": false_side}))
+    return merged
 
 
 @dataclass(frozen=True)
