@@ -67,6 +67,31 @@ class AccumulationWithoutNoSync(Rule):
 
     invalid = (
         Example(
+            # The generator accumulates; the discriminator steps on every batch (its backward is
+            # not reported).
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            gen, disc = DDP(Generator().cuda()), DDP(Discriminator().cuda())
+            opt_g = torch.optim.Adam(gen.parameters())
+            opt_d = torch.optim.Adam(disc.parameters())
+            for i, real in enumerate(loader):
+                fake = gen(noise())
+                loss_g = -disc(fake).mean()
+                loss_g.backward()  # expect: DD103
+                if (i + 1) % accum == 0:
+                    opt_g.step()
+                    opt_g.zero_grad()
+                opt_d.zero_grad()
+                loss_d = disc(fake.detach()).mean() - disc(real).mean()
+                loss_d.backward()
+                opt_d.step()
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -324,7 +349,29 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
             other_guards = {id(guard.test) for guard in other.guards}
             extra = [guard for guard in step.guards if id(guard.test) not in other_guards]
             if any(_periodic_guard(guard) for guard in extra) and step_guards - other_guards:
-                yield other, call
+                if not _stepped_at_once(ctx, trace, other, step, loop):
+                    yield other, call
+
+
+def _stepped_at_once(ctx: LintContext, trace: Trace, backward: Step, periodic: Step, loop: cst.CSTNode) -> bool:
+    """Whether another optimizer steps, under no periodic condition of its own, after `backward`
+    and before the periodic step comes round again: those gradients are used at once (a GAN's
+    discriminator stepping every batch while the generator accumulates), not accumulated."""
+    own = {id(guard.test) for guard in backward.guards}
+    for other in trace.steps:
+        if other is periodic or not other.in_loop(loop) or other.loops[-1] is not backward.loops[-1]:
+            continue
+        if periodic.index > backward.index:
+            between = backward.index < other.index < periodic.index
+        else:  # the periodic step ran earlier in this iteration: it comes round in the next one
+            between = other.index > backward.index or other.index < periodic.index
+        if not between or other.excludes(backward):
+            continue
+        if not any(_is_optimizer_step(ctx, trace, other, call) for call in syntax.own_calls(other.node)):
+            continue
+        if not any(_periodic_guard(guard) for guard in other.guards if id(guard.test) not in own):
+            return True
+    return False
 
 
 def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
