@@ -135,6 +135,21 @@ class ArgparseLocalRank(Rule):
     )
     valid = (
         Example(
+            # The flag is overwritten with a field of what the project's init helper returned.
+            """
+            import argparse
+            import torch
+            from project import parallel
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            args = parser.parse_args()
+            env = parallel.init_data_parallel(backend="nccl")
+            args.local_rank = env.local_device.index
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(), device_ids=[args.local_rank])
+            """
+        ),
+        Example(
             # The script starts its processes itself and sets the attribute per process.
             """
             import argparse
@@ -292,20 +307,35 @@ def _flag_overwritten(ctx: LintContext) -> bool:
     """The script overwrites the parsed flag with what a helper of another module returns
     (`args.local_rank, args.rank, args.world_size = get_envs()`): such helpers read LOCAL_RANK
     where this file cannot see it, so the flag's default is not what selects the device."""
-    defined = ctx.info.functions
+    helper_results = {
+        name
+        for node in ctx.nodes(cst.Assign)
+        if _external_helper_call(ctx, node.value)
+        for target in node.targets
+        if (name := names.dotted(target.target)) is not None
+    }
     for node in ctx.nodes(cst.Assign):
         value = node.value
-        if not isinstance(value, cst.Call):
-            continue
-        callee = names.dotted(value.func)
-        qualified = ctx.qualname(value.func) or ""
-        if callee is None or callee in defined or qualified.split(".", 1)[0] in KNOWN_LIBRARIES:
-            continue
+        if not _external_helper_call(ctx, value):
+            # Or a field of such a result (`env = init_parallel()` ... `args.local_rank =
+            # env.local_device.index`).
+            text = names.dotted(value.value) if isinstance(value, cst.Attribute) else None
+            if text is None or "local_rank" in text or text.split(".", 1)[0] not in helper_results:
+                continue
         for target in syntax.assigned_targets(node):
             if isinstance(target, cst.Attribute) and target.attr.value == "local_rank":
                 if names.dotted(target.value) not in (None, "self"):
                     return True
     return False
+
+
+def _external_helper_call(ctx: LintContext, value: cst.BaseExpression) -> bool:
+    """A call to a function of another module that is not a known library's."""
+    if not isinstance(value, cst.Call):
+        return False
+    callee = names.dotted(value.func)
+    qualified = ctx.qualname(value.func) or ""
+    return callee is not None and callee not in ctx.info.functions and qualified.split(".", 1)[0] not in KNOWN_LIBRARIES
 
 
 # Callees whose result is known not to be a helper's reading of LOCAL_RANK.
