@@ -65,6 +65,38 @@ class CollectiveInRankBranch(Rule):
 
     invalid = (
         Example(
+            # This rank's loss decides alone whether it joins the gradient all-reduce.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for batch in loader:
+                loss = model(batch).mean()
+                if torch.isnan(loss):
+                    continue
+                optimizer.zero_grad()
+                loss.backward()  # expect: DD301
+                optimizer.step()
+            """
+        ),
+        Example(
+            """
+            import math
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            for batch in val_loader:
+                loss = criterion(model(batch), batch.target)
+                if math.isfinite(loss.item()):
+                    total = loss.detach().clone()
+                    dist.all_reduce(total)  # expect: DD301
+            """
+        ),
+        Example(
             """
             import torch
             import torch.distributed as dist
@@ -148,6 +180,43 @@ class CollectiveInRankBranch(Rule):
         ),
     )
     valid = (
+        Example(
+            # The skip is decided on every rank alike: the flag is all-reduced first.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for batch in loader:
+                loss = model(batch).mean()
+                everyone = loss.detach().clone()
+                dist.all_reduce(everyone)
+                if not torch.isfinite(everyone):
+                    continue
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            """
+        ),
+        Example(
+            # A non-finite loss stops the process; the launcher stops the others.
+            """
+            import math
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for batch in loader:
+                loss = model(batch).mean()
+                if not math.isfinite(loss.item()):
+                    raise RuntimeError(f"loss is {loss.item()}, stopping")
+                loss.backward()
+                optimizer.step()
+            """
+        ),
         Example(
             """
             import torch
@@ -294,3 +363,23 @@ class CollectiveInRankBranch(Rule):
                         f"or make the matching call in the other branch."
                     )
                 yield Report(event.call, message)
+            for skip in guarded_calls.skipped_by_value_checks(ctx, trace):
+                if guarded_calls.single_process_only(ctx, skip.step):
+                    continue
+                line = ctx.position(skip.test).start.line
+                if skip.what == "backward":
+                    message = (
+                        f"`backward()` through the DDP model runs only where this rank's `{skip.checked}` passed the "
+                        f"check on line {line}: a rank whose value is NaN or inf skips the gradient all-reduce the "
+                        f"other ranks enter, so their collectives fall out of step (mismatched gradients, then a "
+                        f"hang). Decide on every rank alike: all-reduce the flag (or the loss) before the check, "
+                        f"or zero the loss instead of skipping."
+                    )
+                else:
+                    short = skip.what.rsplit(".", 1)[-1]
+                    message = (
+                        f"`{short}` is a collective but runs only where this rank's `{skip.checked}` passed the check "
+                        f"on line {line}: a rank whose value is NaN or inf skips it while the others wait, and the "
+                        f"job hangs. Decide on every rank alike (all-reduce the flag first), or call it outside the check."
+                    )
+                yield Report(skip.call, message)

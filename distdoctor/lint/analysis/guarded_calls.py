@@ -3,13 +3,14 @@ conditions they run under: shared by DD301 (collectives, sharded forwards) and D
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
 
 from distdoctor.lint.analysis import evaluate, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, RankGuard
+from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.sharding import FSDP2
 from distdoctor.lint.analysis.trace import Step, Trace
 
@@ -138,3 +139,95 @@ def _callback_on_other_side(ctx: LintContext, trace: Trace, event: Event, side: 
         if any(guard.zero != side for guard in ctx.rank_guards(trace, step)):
             return True
     return False
+
+
+# --- conditions on this rank's own numbers ---------------------------------------------------
+# `if torch.isnan(loss): continue` before `loss.backward()` on a DDP model: the check reads this
+# rank's loss, so one rank may skip what every rank must join.
+
+VALUE_CHECKS = frozenset({"isnan", "isinf", "isfinite", "is_valid_number"})
+_REDUCED_WORDS = ("reduce", "gather", "sync", "global", "all_")
+
+
+@dataclass(frozen=True)
+class ValueSkip:
+    step: Step
+    call: cst.Call
+    what: str  # "backward" (through DDP) or the collective's qualified name
+    test: cst.BaseExpression
+    checked: str  # the name the test reads: `loss`
+
+
+def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSkip]:
+    """Backwards through a DDP model, and collectives, that run only where this rank's own value
+    passed a check (`if torch.isnan(loss): continue`, `if torch.isfinite(loss): ... all_reduce`):
+    a rank whose value fails skips a call the others make. A value reduced across ranks first
+    (`loss_reduced`, or one handed to all_reduce) is the same everywhere and is not reported; a
+    check that ends the process (`raise`) is no skip."""
+    for step, call in trace.calls():
+        if ctx.is_backward(call):
+            if not any(value.kind == kinds.DDP for value in step.env.values()):
+                continue
+            what = "backward"
+        else:
+            what = ctx.collective_name(call)
+            if what is None:
+                continue
+        for guard in step.guards:
+            checked = _checked_value(guard.test)
+            if checked is None or _reduced_across_ranks(ctx, checked):
+                continue
+            statement = ctx.parent(guard.test)
+            if guard.negated and isinstance(statement, cst.If) and _ends_the_process(statement.body.body):
+                continue
+            yield ValueSkip(step, call, what, guard.test, checked)
+            break
+
+
+def _checked_value(test: cst.BaseExpression) -> str | None:
+    """The name a finiteness check in `test` reads: `torch.isnan(loss)`, `math.isfinite(loss.item())`,
+    `is_valid_number(loss.data.item())` -> `loss`."""
+    for node in syntax.walk(test):
+        if type(node) is not cst.Call or not node.args:
+            continue
+        if (dotted(node.func) or "").rsplit(".", 1)[-1] not in VALUE_CHECKS:
+            continue
+        value = node.args[0].value
+        while True:
+            if type(value) is cst.Call and type(value.func) is cst.Attribute:
+                value = value.func.value  # `loss.item()`, `loss.detach().cpu()`
+            elif type(value) is cst.Attribute and value.attr.value in ("data", "detach"):
+                value = value.value
+            else:
+                break
+        text = dotted(value)
+        if text is not None:
+            return text
+    return None
+
+
+def _reduced_across_ranks(ctx: LintContext, name: str) -> bool:
+    """Whether `name` holds a value made equal on every rank: its name says so (`loss_reduced`,
+    `global_loss`), it is assigned from a reducing helper (`reduce_tensor(loss)`), or handed to a
+    collective (`dist.all_reduce(loss)`) anywhere in the file."""
+    lowered = name.lower()
+    if any(word in lowered for word in _REDUCED_WORDS):
+        return True
+    for node in ctx.nodes(cst.Assign):
+        if not any(dotted(target) == name for target in syntax.assigned_targets(node)):
+            continue
+        for call in syntax.walk(node.value):
+            if type(call) is cst.Call and any(word in (dotted(call.func) or "").lower() for word in _REDUCED_WORDS):
+                return True
+    for call in ctx.nodes(cst.Call):
+        if ctx.collective_name(call) is not None and any(dotted(arg.value) == name for arg in call.args):
+            return True
+    return False
+
+
+def _ends_the_process(body: Sequence[cst.CSTNode]) -> bool:
+    """A block that ends in `raise`: the process stops and its launcher tears down the others;
+    no rank waits forever. (`sys.exit()` ends no block for the trace, so it makes no guard.)"""
+    if not body or not isinstance(body[-1], cst.SimpleStatementLine):
+        return False
+    return any(isinstance(small, cst.Raise) for small in body[-1].body)
