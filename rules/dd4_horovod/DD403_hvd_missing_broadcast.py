@@ -6,8 +6,10 @@ from collections.abc import Iterable
 
 import libcst as cst
 
+from distdoctor.lint.analysis import syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.trace import Step
 from distdoctor.lint.rule import Example, Report, Rule
 
 DISTRIBUTED_OPTIMIZER = "horovod.torch.DistributedOptimizer"
@@ -111,6 +113,22 @@ class HorovodMissingBroadcast(Rule):
     )
     valid = (
         Example(
+            # The trainer is handed a model built (and seeded alike on every rank) elsewhere.
+            """
+            import horovod.torch as hvd
+
+            class HorovodTrainer:
+                def fit(self, module):
+                    hvd.init()
+                    module = module.cuda()
+                    optimizer = hvd.DistributedOptimizer(module.optimizer, named_parameters=module.named_parameters())
+                    for batch in module.train_dataloader():
+                        optimizer.zero_grad()
+                        module.training_step(batch).backward()
+                        optimizer.step()
+            """
+        ),
+        Example(
             """
             import torch
             import horovod.torch as hvd
@@ -170,7 +188,9 @@ class HorovodMissingBroadcast(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.uses_horovod or _broadcasts_somewhere(ctx):
             return
-        for _, _, call in ctx.calls(DISTRIBUTED_OPTIMIZER):
+        for _, step, call in ctx.calls(DISTRIBUTED_OPTIMIZER):
+            if _model_handed_in(step, call):
+                continue
             yield Report(
                 call,
                 "hvd.DistributedOptimizer averages gradients, but the weights are never broadcast: "
@@ -178,6 +198,22 @@ class HorovodMissingBroadcast(Rule):
                 "root_rank=0)` and `hvd.broadcast_optimizer_state(optimizer, root_rank=0)` after the "
                 "model and optimizer are created (and after any checkpoint is restored).",
             )
+
+
+def _model_handed_in(step: Step, call: cst.Call) -> bool:
+    """The optimizer covers a model the enclosing function was handed (`def fit(self, module):`
+    ... `named_parameters=module.named_parameters()`): the model was built, seeded or restored
+    where this file cannot see, which may well have made every rank's weights equal."""
+    named = syntax.keyword(call, "named_parameters")
+    if not (isinstance(named, cst.Call) and isinstance(named.func, cst.Attribute)):
+        return False
+    text = dotted(named.func.value)
+    function = step.frame.function
+    if text is None or function is None:
+        return False
+    root = text.split(".", 1)[0]
+    params = (*function.params.posonly_params, *function.params.params, *function.params.kwonly_params)
+    return root != "self" and any(param.name.value == root for param in params)
 
 
 def _broadcasts_somewhere(ctx: LintContext) -> bool:
