@@ -65,6 +65,23 @@ class CollectiveInRankBranch(Rule):
 
     invalid = (
         Example(
+            # A project helper that all-reduces the gradients by hand, run on this rank's say-so.
+            """
+            import torch
+            import torch.distributed as dist
+            from project.dist_utils import reduce_gradients
+
+            dist.init_process_group("nccl")
+            for batch in loader:
+                loss = model(batch).mean()
+                optimizer.zero_grad()
+                if not torch.isinf(loss):
+                    loss.backward()
+                    reduce_gradients(model)  # expect: DD301
+                    optimizer.step()
+            """
+        ),
+        Example(
             # This rank's loss decides alone whether it joins the gradient all-reduce.
             """
             import torch

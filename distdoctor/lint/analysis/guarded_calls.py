@@ -3,6 +3,7 @@ conditions they run under: shared by DD301 (collectives, sharded forwards) and D
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -170,7 +171,7 @@ def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSki
                 continue
             what = "backward"
         else:
-            what = ctx.collective_name(call)
+            what = ctx.collective_name(call) or _gradient_reducer(ctx, call)
             if what is None:
                 continue
         for guard in step.guards:
@@ -182,6 +183,19 @@ def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSki
                 continue
             yield ValueSkip(step, call, what, guard.test, checked)
             break
+
+
+# Project helpers that all-reduce the gradients by hand (`reduce_gradients(model)` in pysot,
+# `average_gradients(model)` in the torch tutorials), imported from another module.
+_GRADIENT_REDUCER = re.compile(r"^(all_?)?reduce_?grad(ient)?s$|^average_?grad(ient)?s$|^sync_?grad(ient)?s$|^allreduce_?grad(ient)?s$")
+
+
+def _gradient_reducer(ctx: LintContext, call: cst.Call) -> str | None:
+    name = dotted(call.func)
+    if name is None or name in ctx.info.functions:
+        return None  # a function of this module is inlined: its collectives are seen directly
+    last = name.rsplit(".", 1)[-1]
+    return last if _GRADIENT_REDUCER.match(last.lower()) else None
 
 
 def _checked_value(test: cst.BaseExpression) -> str | None:
