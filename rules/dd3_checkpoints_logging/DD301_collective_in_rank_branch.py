@@ -33,6 +33,15 @@ class CollectiveInRankBranch(Rule):
     through a DDP wrapper under a rank condition is DD307's finding (default off): it hangs only
     in some cases.
 
+    A condition on this rank's own numbers splits the ranks just as well: a `backward()` through
+    a DDP model, a collective, or a project helper that all-reduces gradients by hand
+    (`reduce_gradients(model)`) that runs only where this rank's loss passed a finiteness check
+    (`if torch.isnan(loss): continue` before `loss.backward()`, `if math.isfinite(loss.item()):`
+    around an `all_reduce`). A rank that meets a NaN skips what the others join. Silent when the
+    value was made equal on every rank first (its name says reduced or global, it comes from a
+    reducing helper, or it was handed to a collective) and when the check raises (the launcher
+    then stops every rank).
+
     ## Why is this bad?
     Every rank of the process group must enter a collective. When only rank 0 calls
     `dist.barrier()` (or `all_reduce`, ...), it waits for peers that never come, and the job
@@ -52,6 +61,13 @@ class CollectiveInRankBranch(Rule):
     if dist.get_rank() == 0:
         save(model)
     dist.barrier()                              # every rank
+    ```
+    and for a skipped step, decide on every rank alike:
+    ```python
+    bad = torch.isnan(loss).float()
+    dist.all_reduce(bad)
+    if bad.item() > 0:
+        continue                                # every rank skips together
     ```
 
     ## Fix safety
