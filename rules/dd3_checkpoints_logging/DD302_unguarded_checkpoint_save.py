@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace, flag_test
 from distdoctor.lint.analysis import names
@@ -87,6 +87,12 @@ class UnguardedCheckpointSave(Rule):
     snapshot saved once per node to a path every rank loads back at start (torchrun's
     fault-tolerance pattern: with storage local to each node, each node needs its own copy).
 
+    A condition that mixes a rank test with another test is read as Python reads it: in
+    `if is_main and step % k == 0 or step in milestones:` the rank test covers only the `and`,
+    so at the milestones every rank saves; the finding says so. With explicit parentheses
+    (`(is_main and a) or b`), or beside a plain flag (`debug or rank == 0`), the rule assumes the
+    other side is meant for every rank and stays silent.
+
     ## Why is this bad?
     Every rank holds the same weights after the all-reduce, so every rank writes the same bytes
     to the same path at the same time: N times the I/O, and on a shared file system the writers
@@ -119,6 +125,21 @@ class UnguardedCheckpointSave(Rule):
     summary = "torch.save of training state on every rank (or once per node)"
 
     invalid = (
+        Example(
+            # `and` binds tighter than `or`: at the milestones every rank saves.
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            is_main = dist.get_rank() == 0
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for step in range(total_steps):
+                train_step(model)
+                if is_main and step % 1000 == 0 or step in milestones:
+                    torch.save(model.module.state_dict(), "checkpoint.pt")  # expect: DD302
+            """
+        ),
         Example(
             # A flag set under a condition every rank shares is no rank guard.
             """
@@ -246,6 +267,21 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # Parentheses around the `and` say the `or` is meant for every rank.
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            is_main = dist.get_rank() == 0
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for step in range(total_steps):
+                train_step(model)
+                if (is_main and step % 1000 == 0) or args.debug_save_all:
+                    torch.save(model.module.state_dict(), "checkpoint.pt")
+            """
+        ),
         Example(
             # `opts.rank += index` in the spawn worker: opts.rank is the global rank.
             """
@@ -565,6 +601,17 @@ class UnguardedCheckpointSave(Rule):
             if _under_flag_set_by_starter(ctx, trace, step):
                 continue
             guards = ctx.rank_guards(trace, step, uncertain=True)
+            precedence = next((g for g in guards if not g.certain and _rank_test_lost_to_or(ctx, step, g.guard)), None)
+            if precedence is not None:
+                test = precedence.guard.test
+                line = ctx.position(test).start.line
+                yield Report(
+                    call,
+                    f"the rank test in the condition on line {line} covers only one side of its `or`: `and` binds "
+                    f"tighter than `or`, so whenever the other side holds every rank saves this checkpoint to "
+                    f"the same path. Add parentheses so that the rank test applies to the whole condition.",
+                )
+                continue
             if any(not guard.zero or not guard.certain for guard in guards):
                 continue  # runs on the other ranks only (someone meant it), or cannot tell
             zero_guards = [guard for guard in guards if guard.zero]
@@ -624,6 +671,27 @@ def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> b
         lambda call: (names.dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
         or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS),
     )
+
+
+def _rank_test_lost_to_or(ctx: LintContext, step: Step, guard) -> bool:
+    """`if is_main and step % k == 0 or step in milestones:` written without parentheses: the rank
+    test sits in an unparenthesised `and` on one side of an `or` whose other side tests no rank,
+    so that side alone lets every rank in. Explicit parentheses (`(is_main and a) or b`) say
+    the author meant it; a plain flag beside the rank test (`debug or rank == 0`) is no `and`."""
+    test = guard.test
+    if guard.negated or not isinstance(test, cst.BooleanOperation) or not isinstance(test.operator, cst.Or) or test.lpar:
+        return False
+    evaluator = evaluate.Evaluator(ctx.info, step.env, guard.frame, guard.results)
+
+    def ranked(expr: cst.BaseExpression) -> bool:
+        value = evaluator.eval(expr)
+        return value is not None and value.kind == kinds.RANK_TEST
+
+    for side, other in ((test.left, test.right), (test.right, test.left)):
+        if isinstance(side, cst.BooleanOperation) and isinstance(side.operator, cst.And) and not side.lpar:
+            if ranked(side) and not ranked(other) and not any(ranked(node) for node in syntax.walk(other) if isinstance(node, cst.BaseExpression)):
+                return True
+    return False
 
 
 def _under_flag_set_by_starter(ctx: LintContext, trace: Trace, step: Step) -> bool:
