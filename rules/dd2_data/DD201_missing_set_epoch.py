@@ -67,6 +67,30 @@ class MissingSetEpoch(Rule):
 
     invalid = (
         Example(
+            # The dataset's own set_epoch (its augmentation schedule) leaves the sampler's order.
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+            for epoch in range(10):  # expect: DD201
+                loader.dataset.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)
+            """,
+            fixed="""
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+            for epoch in range(10):  # expect: DD201
+                sampler.set_epoch(epoch)
+                loader.dataset.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)
+            """,
+        ),
+        Example(
             # The helper's `shuffle` parameter is bound to True at the call.
             """
             from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
@@ -326,7 +350,7 @@ class MissingSetEpoch(Rule):
             )
 
     def _unresolved_set_epoch(self, ctx: LintContext) -> bool:
-        for trace, step, call in ctx.method_calls("set_epoch"):
+        for trace, step, call in _sampler_set_epochs(ctx):
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
             if receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER):
                 return True
@@ -342,7 +366,7 @@ class MissingSetEpoch(Rule):
                 value = trace.value(arg.value, step)
                 if value is not None and value.kind == kinds.SAMPLER:
                     found.append(value)
-        for trace, step, call in ctx.method_calls("set_epoch"):
+        for trace, step, call in _sampler_set_epochs(ctx):
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
             if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
                 receiver = receiver.inner
@@ -379,6 +403,19 @@ def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
     while isinstance(expr, cst.Call) and expr.args and dotted(expr.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
         expr = expr.args[0].value
     return expr
+
+
+def _sampler_set_epochs(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
+    """`set_epoch` calls that may reach a sampler: not a dataset's own method
+    (`loader.dataset.set_epoch(epoch)` reshuffles the dataset's items, the sampler's order stays)."""
+    for trace, step, call in ctx.method_calls("set_epoch"):
+        receiver = call.func.value  # type: ignore[union-attr]
+        if isinstance(receiver, cst.Attribute) and receiver.attr.value in _DATASET_ATTRIBUTES:
+            continue
+        yield trace, step, call
+
+
+_DATASET_ATTRIBUTES = frozenset({"dataset", "train_dataset", "ds"})
 
 
 def _external_calls(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
