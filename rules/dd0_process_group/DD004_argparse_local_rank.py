@@ -67,6 +67,19 @@ class ArgparseLocalRank(Rule):
 
     invalid = (
         Example(
+            # Copying the flag into a config object is no reading of LOCAL_RANK.
+            """
+            import argparse
+            import torch
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)  # expect: DD004
+            args = parser.parse_args()
+            cfg.local_rank = args.local_rank
+            torch.cuda.set_device(args.local_rank)
+            """
+        ),
+        Example(
             # The flag's value goes through a starred reassignment before it picks the device.
             """
             import argparse
@@ -319,7 +332,7 @@ def _flag_overwritten(ctx: LintContext) -> bool:
         if not _external_helper_call(ctx, value):
             # Or a field of such a result (`env = init_parallel()` ... `args.local_rank =
             # env.local_device.index`).
-            text = names.dotted(value.value) if isinstance(value, cst.Attribute) else None
+            text = names.dotted(value) if isinstance(value, cst.Attribute) else None
             if text is None or "local_rank" in text or text.split(".", 1)[0] not in helper_results:
                 continue
         for target in syntax.assigned_targets(node):
@@ -335,7 +348,9 @@ def _external_helper_call(ctx: LintContext, value: cst.BaseExpression) -> bool:
         return False
     callee = names.dotted(value.func)
     qualified = ctx.qualname(value.func) or ""
-    return callee is not None and callee not in ctx.info.functions and qualified.split(".", 1)[0] not in KNOWN_LIBRARIES
+    if callee is None or callee.rsplit(".", 1)[-1] in ("parse_args", "parse_known_args"):
+        return False  # the parsed flags themselves
+    return callee not in ctx.info.functions and qualified.split(".", 1)[0] not in KNOWN_LIBRARIES
 
 
 # Callees whose result is known not to be a helper's reading of LOCAL_RANK.
