@@ -42,6 +42,12 @@ class CollectiveInRankBranch(Rule):
     reducing helper, or it was handed to a collective) and when the check raises (the launcher
     then stops every rank).
 
+    A `break` under a rank condition inside a loop that makes such a call splits the ranks too:
+    early stopping decided on rank 0 (`if rank == 0: ... if stopper.should_stop(loss): break`)
+    leaves the epoch loop there while the others start the next epoch and wait in its
+    all-reduce. Silent when the whole loop runs under the rank condition (a rank-0 learning-rate
+    search), or when the decision is broadcast first and every rank breaks on it.
+
     ## Why is this bad?
     Every rank of the process group must enter a collective. When only rank 0 calls
     `dist.barrier()` (or `all_reduce`, ...), it waits for peers that never come, and the job
@@ -80,6 +86,26 @@ class CollectiveInRankBranch(Rule):
     summary = "collective or sharded forward reachable on some ranks only: the job hangs"
 
     invalid = (
+        Example(
+            # Early stopping decided and acted on by rank 0 alone.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for epoch in range(epochs):
+                for batch in loader:
+                    optimizer.zero_grad()
+                    model(batch).mean().backward()
+                    optimizer.step()
+                if dist.get_rank() == 0:
+                    val_loss = evaluate(model.module)
+                    if stopper.should_stop(val_loss):
+                        break  # expect: DD301
+            """
+        ),
         Example(
             # A project helper that all-reduces the gradients by hand, run on this rank's say-so.
             """
@@ -213,6 +239,48 @@ class CollectiveInRankBranch(Rule):
         ),
     )
     valid = (
+        Example(
+            # The whole loop runs on rank 0 (a learning-rate search): its `break` splits no ranks.
+            """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def find_lr(model, loader, optimizer):
+                for i, batch in enumerate(loader):
+                    optimizer.zero_grad()
+                    model(batch).mean().backward()
+                    optimizer.step()
+                    if i == 100:
+                        break
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            if dist.get_rank() == 0:
+                find_lr(model, loader, optimizer)
+            """
+        ),
+        Example(
+            # Rank 0 decides, every rank learns it, every rank leaves.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            for epoch in range(epochs):
+                for batch in loader:
+                    optimizer.zero_grad()
+                    model(batch).mean().backward()
+                    optimizer.step()
+                stop = torch.zeros(1, device="cuda")
+                if dist.get_rank() == 0:
+                    stop.fill_(float(stopper.should_stop(evaluate(model.module))))
+                dist.broadcast(stop, src=0)
+                if stop.item():
+                    break
+            """
+        ),
         Example(
             # The skip is decided on every rank alike: the flag is all-reduced first.
             """
@@ -396,6 +464,18 @@ class CollectiveInRankBranch(Rule):
                         f"or make the matching call in the other branch."
                     )
                 yield Report(event.call, message)
+            for exit_ in guarded_calls.rank_only_loop_exits(ctx, trace):
+                guard = exit_.guard
+                where = ("local rank 0" if guard.local else "rank 0") if guard.zero else "the ranks other than 0"
+                join_step, join_call = exit_.joins
+                joined = "a backward through the DDP model" if ctx.is_backward(join_call) else f"`{ctx.collective_name(join_call).rsplit('.', 1)[-1]}`"
+                yield Report(
+                    exit_.step.node,
+                    f"this `break` leaves the loop on {where} only (condition on line "
+                    f"{ctx.position(guard.guard.test).start.line}): the other ranks go on to the next iteration and "
+                    f"wait in {joined} (line {ctx.position(join_call).start.line}) for a rank that has left, so the "
+                    f"job hangs. Decide on every rank: broadcast the stop flag from rank 0 and break on it everywhere.",
+                )
             for skip in guarded_calls.skipped_by_value_checks(ctx, trace):
                 if guarded_calls.single_process_only(ctx, skip.step):
                     continue

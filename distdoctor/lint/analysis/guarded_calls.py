@@ -245,3 +245,46 @@ def _ends_the_process(body: Sequence[cst.CSTNode]) -> bool:
     if not body or not isinstance(body[-1], cst.SimpleStatementLine):
         return False
     return any(isinstance(small, cst.Raise) for small in body[-1].body)
+
+
+# --- a loop left on some ranks only ----------------------------------------------------------
+# `if rank == 0: ... if early_stopper.stop(val_loss): break` inside the epoch loop: rank 0 leaves
+# while the others start the next epoch and wait in its all-reduce.
+
+
+@dataclass(frozen=True)
+class RankExit:
+    step: Step  # the `break`
+    guard: RankGuard  # the rank condition inside the loop that only some ranks pass
+    joins: tuple[Step, cst.Call]  # a call in the loop every rank must join: a DDP backward or a collective
+
+
+def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
+    """`break` statements that leave a loop on some ranks only (a rank condition inside the loop
+    guards them) where the loop makes a call every rank must join. A loop that runs on some ranks
+    only as a whole (its rank condition outside it) is not split by its `break`."""
+    for step in trace.steps:
+        if not isinstance(step.node, cst.Break) or not step.loops:
+            continue
+        loop = step.loops[-1]
+        inside = [guard for guard in ctx.rank_guards(trace, step) if _inside(ctx, guard.guard.test, loop)]
+        if not inside or single_process_only(ctx, step):
+            continue
+        joins = next(
+            (
+                (other, call)
+                for other, call in trace.calls()
+                if other.in_loop(loop)
+                and (
+                    ctx.collective_name(call) is not None
+                    or (ctx.is_backward(call) and any(value.kind == kinds.DDP for value in other.env.values()))
+                )
+            ),
+            None,
+        )
+        if joins is not None:
+            yield RankExit(step, inside[-1], joins)
+
+
+def _inside(ctx: LintContext, node: cst.CSTNode, loop: cst.CSTNode) -> bool:
+    return any(ancestor is loop for ancestor in ctx.ancestors(node))
