@@ -9,7 +9,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.trace import Step, Trace, flag_test
+from distdoctor.lint.analysis.trace import Guard, Step, Trace, flag_test
 from distdoctor.lint.analysis import names
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -673,7 +673,7 @@ def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> b
     )
 
 
-def _rank_test_lost_to_or(ctx: LintContext, step: Step, guard) -> bool:
+def _rank_test_lost_to_or(ctx: LintContext, step: Step, guard: Guard) -> bool:
     """`if is_main and step % k == 0 or step in milestones:` written without parentheses: the rank
     test sits in an unparenthesised `and` on one side of an `or` whose other side tests no rank,
     so that side alone lets every rank in. Explicit parentheses (`(is_main and a) or b`) say
