@@ -67,6 +67,27 @@ class AccumulationWithoutNoSync(Rule):
 
     invalid = (
         Example(
+            # The optimizer comes from a helper of another module, stepped through the scaler.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from project.solver import build_optimizer
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            optimizer = build_optimizer(model)
+            scaler = torch.cuda.amp.GradScaler()
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                scaler.scale(loss).backward()  # expect: DD103
+                if (i + 1) % accum == 0:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
             # The generator accumulates; the discriminator steps on every batch (its backward is
             # not reported).
             """
@@ -323,7 +344,12 @@ def _is_optimizer_step(ctx: LintContext, trace: Trace, step: Step, call: cst.Cal
     if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"):
         return False
     text = (names.dotted(call.func.value) or "").lower()
-    return "optim" in text and "sched" not in text
+    if "optim" in text and "sched" not in text:
+        return True
+    # `scaler.step(optimizer)` with an optimizer built where the file cannot see (a helper of
+    # another module): the names say what it is, as for `optimizer.step()` above.
+    stepped = (names.dotted(call.args[0].value) or "").lower() if call.args else ""
+    return "scaler" in text and "optim" in stepped and "sched" not in stepped
 
 
 def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterable[tuple[Step, cst.Call]]:
