@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, names, syntax
+from distdoctor.lint.analysis import names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -306,7 +306,7 @@ class AccumulationWithoutNoSync(Rule):
                 if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:
                     continue
                 for backward_step, backward in _accumulated_backwards(ctx, trace, step):
-                    if not any(value.kind == kinds.DDP for value in backward_step.env.values()):
+                    if not ctx.ddp_backward(backward_step, backward):
                         continue
                     yield Report(
                         backward,

@@ -467,13 +467,12 @@ class CollectiveInRankBranch(Rule):
             for exit_ in guarded_calls.rank_only_loop_exits(ctx, trace):
                 guard = exit_.guard
                 where = ("local rank 0" if guard.local else "rank 0") if guard.zero else "the ranks other than 0"
-                join_step, join_call = exit_.joins
-                joined = "a backward through the DDP model" if ctx.is_backward(join_call) else f"`{ctx.collective_name(join_call).rsplit('.', 1)[-1]}`"
+                joined = "a backward through the DDP model" if exit_.what == "backward" else f"`{exit_.what.rsplit('.', 1)[-1]}`"
                 yield Report(
                     exit_.step.node,
                     f"this `break` leaves the loop on {where} only (condition on line "
                     f"{ctx.position(guard.guard.test).start.line}): the other ranks go on to the next iteration and "
-                    f"wait in {joined} (line {ctx.position(join_call).start.line}) for a rank that has left, so the "
+                    f"wait in {joined} (line {ctx.position(exit_.call).start.line}) for a rank that has left, so the "
                     f"job hangs. Decide on every rank: broadcast the stop flag from rank 0 and break on it everywhere.",
                 )
             for skip in guarded_calls.skipped_by_value_checks(ctx, trace):

@@ -689,7 +689,7 @@ def _rank_test_lost_to_or(ctx: LintContext, step: Step, guard: Guard) -> bool:
 
     for side, other in ((test.left, test.right), (test.right, test.left)):
         if isinstance(side, cst.BooleanOperation) and isinstance(side.operator, cst.And) and not side.lpar:
-            if ranked(side) and not ranked(other) and not any(ranked(node) for node in syntax.walk(other) if isinstance(node, cst.BaseExpression)):
+            if ranked(side) and not any(ranked(node) for node in syntax.walk(other) if isinstance(node, cst.BaseExpression)):
                 return True
     return False
 

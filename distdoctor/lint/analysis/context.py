@@ -334,6 +334,11 @@ class LintContext:
             return True
         return isinstance(call.func, cst.Attribute) and call.func.attr.value == "backward" and self.qualname(call.func) is None
 
+    def ddp_backward(self, step: Step, call: cst.Call) -> bool:
+        """A backward with a DDP wrapper in scope at its step: it all-reduces the gradients, a
+        collective every rank must join."""
+        return self.is_backward(call) and any(value.kind == kinds.DDP for value in step.env.values())
+
     def stepped_optimizer(self, trace: Trace, step: Step, call: cst.Call) -> Value | None:
         """The optimizer (OPTIMIZER or HVD_OPTIMIZER value) that `opt.step()` or
         `scaler.step(opt)` steps, or None when `call` is no known optimizer step."""

@@ -150,6 +150,13 @@ VALUE_CHECKS = frozenset({"isnan", "isinf", "isfinite", "is_valid_number"})
 _REDUCED_WORDS = ("reduce", "gather", "sync", "global", "all_")
 
 
+def _joined_by_every_rank(ctx: LintContext, step: Step, call: cst.Call) -> str | None:
+    """"backward" for a backward through DDP, the qualified name for a collective, else None."""
+    if ctx.is_backward(call):
+        return "backward" if ctx.ddp_backward(step, call) else None
+    return ctx.collective_name(call)
+
+
 @dataclass(frozen=True)
 class ValueSkip:
     step: Step
@@ -166,14 +173,9 @@ def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSki
     (`loss_reduced`, or one handed to all_reduce) is the same everywhere and is not reported; a
     check that ends the process (`raise`) is no skip."""
     for step, call in trace.calls():
-        if ctx.is_backward(call):
-            if not any(value.kind == kinds.DDP for value in step.env.values()):
-                continue
-            what = "backward"
-        else:
-            what = ctx.collective_name(call) or _gradient_reducer(ctx, call)
-            if what is None:
-                continue
+        what = _joined_by_every_rank(ctx, step, call) or _gradient_reducer(ctx, call)
+        if what is None:
+            continue
         for guard in step.guards:
             checked = _checked_value(guard.test)
             if checked is None or _reduced_across_ranks(ctx, checked):
@@ -256,7 +258,8 @@ def _ends_the_process(body: Sequence[cst.CSTNode]) -> bool:
 class RankExit:
     step: Step  # the `break`
     guard: RankGuard  # the rank condition inside the loop that only some ranks pass
-    joins: tuple[Step, cst.Call]  # a call in the loop every rank must join: a DDP backward or a collective
+    call: cst.Call  # a call in the loop every rank must join
+    what: str  # "backward" (through DDP) or the collective's qualified name
 
 
 def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
@@ -270,20 +273,11 @@ def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
         inside = [guard for guard in ctx.rank_guards(trace, step) if _inside(ctx, guard.guard.test, loop)]
         if not inside or single_process_only(ctx, step):
             continue
-        joins = next(
-            (
-                (other, call)
-                for other, call in trace.calls()
-                if other.in_loop(loop)
-                and (
-                    ctx.collective_name(call) is not None
-                    or (ctx.is_backward(call) and any(value.kind == kinds.DDP for value in other.env.values()))
-                )
-            ),
-            None,
-        )
-        if joins is not None:
-            yield RankExit(step, inside[-1], joins)
+        for other, call in trace.calls():
+            what = _joined_by_every_rank(ctx, other, call) if other.in_loop(loop) else None
+            if what is not None:
+                yield RankExit(step, inside[-1], call, what)
+                break
 
 
 def _inside(ctx: LintContext, node: cst.CSTNode, loop: cst.CSTNode) -> bool:
