@@ -662,7 +662,8 @@ def lint(
     else:
         # Only a file some rule can read needs the rules (and libcst) imported.
         rules = _rules(codes) if needs_parse else []
-        fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
+        with guard.fewer_collections():
+            fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
     for (_, _, key), result in zip(pending, fresh):
         cache.put(key, result)
         results.append(result)

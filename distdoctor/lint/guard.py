@@ -16,10 +16,12 @@ depth of an expression, so a file it accepts stays far from what crashes the par
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -199,3 +201,22 @@ def run_with_deep_stack(function: Callable[..., T], *args: object) -> T:
 
 
 _stack_lock = threading.Lock()
+
+
+# The cyclic collector's thresholds during a run. libcst builds hundreds of thousands of live
+# nodes per file, and at Python's default (700, 10, 10) the collector kept rescanning them in its
+# first two generations. Measured on torch.distributed's sources, serial: 25.4 s of CPU at the
+# default, 17.4 s here (with the collector off: 17.9 s), for 44 MB more peak memory. Set for a whole
+# run (restoring it after each file made the next allocation pay for that file's young objects),
+# and for good in the worker processes, which are ours.
+GC_THRESHOLD = (10_000, 100, 100)
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
+    previous = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)

@@ -12,12 +12,15 @@ Workers ignore SIGINT: on Ctrl-C the parent stops them (`terminate`) and exits p
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from distdoctor.lint.guard import GC_THRESHOLD
 
 Job = tuple[str, str, tuple[str, ...]]  # path, source, rule codes
 
@@ -28,6 +31,7 @@ _slot = -1
 def _init_worker(slots: Any, counter: Any) -> None:
     global _slots, _slot
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gc.set_threshold(*GC_THRESHOLD)
     with counter.get_lock():
         _slot = counter.value
         counter.value += 1
