@@ -6,7 +6,6 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 
 from __future__ import annotations
 
-import ast
 import codecs
 import difflib
 import hashlib
@@ -18,10 +17,10 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from distdoctor import __version__
 from distdoctor.lint import guard
@@ -118,11 +117,18 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
             return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
         reason, line = refused
         return FileResult(path, (_dd000(path, reason, line, 1),))
-    if relevant and not _names_distributed_code(source):
-        # The words were in comments, strings or longer names (`distributed_autotune`): no rule
-        # can fire, and a file CPython parses needs no concrete syntax tree.
-        _, unused = _suppress([], source, path)
-        return FileResult(path, (), unused)
+    if relevant:
+        words = code_words(source)
+        rules = [rule for rule in rules if rule.applies(words)] if not CODE_NAMES.isdisjoint(words) else []
+        if not rules:
+            # The words were in comments or docstrings, or the file lacks what each selected rule
+            # needs (a DistributedDataParallel, a collective, a save...): no rule can fire, and
+            # only a file CPython cannot compile needs the concrete syntax tree (for DD000).
+            relevant = False
+            python_error = _python_syntax_error(source)
+            if python_error is None:
+                _, unused = _suppress([], source, path)
+                return FileResult(path, (), unused)
     import libcst as cst
 
     from distdoctor.lint.analysis import syntax
@@ -175,11 +181,12 @@ def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rul
     return FileResult(path, tuple(sorted(kept, key=lambda f: f.sort_key)), unused)
 
 
-# Names without one of which, in code, no rule can fire: the APIs the rules resolve (their last
+# Words without one of which, in code, no rule can fire: the APIs the rules resolve (their last
 # part, as imported or called), the helpers they recognise, and the launcher's variables (as
-# strings: `os.environ["LOCAL_RANK"]`). A file that PREFILTER lets through but whose code names
+# strings: `os.environ["LOCAL_RANK"]`). A file that PREFILTER lets through but whose code says
 # none of them (the word was in a comment, a docstring, or inside a longer name) is answered
-# without libcst. Checked by the rule examples, the fixtures and the corpus keeping every finding.
+# without libcst; so is one that lacks a word each selected rule requires (`Rule.requires`).
+# Checked by the rule examples, the fixtures and the corpus keeping every finding.
 CODE_NAMES = frozenset(
     {
         "distributed", "DistributedDataParallel", "DDP", "horovod", "hvd", "init_process_group", "SyncBatchNorm",
@@ -190,35 +197,33 @@ CODE_NAMES = frozenset(
 )
 
 
-def _names_distributed_code(source: str) -> bool:
-    """Whether the code (not its comments and strings, bar short ones) names one of CODE_NAMES;
-    True when CPython cannot parse it (libcst decides then)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
-        return True
-    for node in ast.walk(tree):
-        names_of = _NAMES_OF.get(type(node))
-        if names_of is not None and not CODE_NAMES.isdisjoint(names_of(node)):
-            return True
-    return False
+def code_words(source: str) -> frozenset[str]:
+    """The words of `source` outside its comments and its plain triple-quoted strings (docstrings):
+    every identifier of the code, and the words of its other strings (`os.environ["LOCAL_RANK"]`,
+    the expressions of f-strings). A superset of the code's names, found by two regular expressions
+    at C speed; the rules' gates (`Rule.requires`) ask it instead of a syntax tree."""
+    return frozenset(_WORD.findall(_NOT_CODE.sub(_keep_strings, source)))
 
 
-# The names each kind of `ast` node puts in the code (a string constant counts whole: the
-# launcher's variables are read as `os.environ["LOCAL_RANK"]`).
-_NAMES_OF: dict[type, Callable[[Any], Iterable[Any]]] = {
-    ast.Name: lambda node: (node.id,),
-    ast.Attribute: lambda node: (node.attr,),
-    ast.Constant: lambda node: (node.value,) if type(node.value) is str else (),
-    ast.alias: lambda node: (*node.name.split("."), node.asname),
-    ast.ImportFrom: lambda node: node.module.split(".") if node.module else (),
-    ast.keyword: lambda node: (node.arg,),
-    ast.arg: lambda node: (node.arg,),
-    ast.FunctionDef: lambda node: (node.name,),
-    ast.AsyncFunctionDef: lambda node: (node.name,),
-}
+_WORD = re.compile(r"[A-Za-z_]\w*")
+# Scanned left to right, a comment or a string is consumed whole, so that a `#` or a quote inside
+# one never starts another.
+_NOT_CODE = re.compile(
+    r"#[^\n]*"
+    r'|[rRbBuUfF]{0,2}(?:"""[\s\S]*?"""|' r"'''[\s\S]*?''')"
+    r'|[rRbBuUfF]{0,2}(?:"(?:\\[\s\S]|[^"\\\n])*"|' r"'(?:\\[\s\S]|[^'\\\n])*')"
+)
+
+
+def _keep_strings(match: re.Match[str]) -> str:
+    """Comments and plain triple-quoted strings go; other strings stay (their words count)."""
+    text = match.group()
+    if text[0] == "#":
+        return " "
+    body = text.lstrip("rRbBuUfF")
+    if body[:3] in ('"""', "'''") and "f" not in text[: len(text) - len(body)].lower():
+        return " "
+    return text
 
 
 def _python_syntax_error(source: str) -> Exception | None:

@@ -64,6 +64,14 @@ class Rule:
     summary: ClassVar[str]
     invalid: ClassVar[tuple[Example, ...]] = ()
     valid: ClassVar[tuple[Example, ...]] = ()
+    # The rule's gate: groups of words (see `engine.code_words`), each of which must have a member
+    # in the file for the rule to report anything there (`requires = (DDP_WORDS, {"save"})`: a
+    # DistributedDataParallel and a save). The engine runs only the rules whose gate a file passes,
+    # and parses no tree when none does: most files that merely import torch.distributed. A gate
+    # must be a necessary condition, derived from what `check` resolves (a call resolved to
+    # `torch.save` has the word `save` in the code); `tests/test_rule_examples.py` runs every example
+    # through it and the corpus re-run checks that no finding is lost.
+    requires: ClassVar[tuple[frozenset[str], ...]] = ()
 
     @property
     def fixable(self) -> bool:
@@ -72,6 +80,10 @@ class Rule:
     @classmethod
     def documentation(cls) -> str:
         return textwrap.dedent(cls.__doc__ or "").strip()
+
+    def applies(self, words: frozenset[str]) -> bool:
+        """Whether the file's words pass this rule's gate (`requires`)."""
+        return all(not group.isdisjoint(words) for group in self.requires)
 
     def check(self, ctx: LintContext) -> Iterable[Report]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -36,6 +36,7 @@ class SyntaxErrorRule(Rule):
     name = "syntax-error"
     severity = "error"
     summary = "the file cannot be parsed"
+    requires = (frozenset(),)  # the engine reports DD000 itself; the rule has nothing to check
 
     def check(self, ctx) -> Iterable[Report]:
         # The engine reports DD000 itself when parsing fails; a parsed file has none.

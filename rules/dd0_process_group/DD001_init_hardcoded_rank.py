@@ -70,6 +70,7 @@ class InitHardcodedRank(Rule):
     name = "init-hardcoded-rank"
     severity = "error"
     summary = "init_process_group() with a hard-coded rank or a single-node world size"
+    requires = (frozenset({"init_process_group"}),)
 
     invalid = (
         Example(

@@ -74,6 +74,7 @@ class MissingSetDevice(Rule):
     name = "missing-set-device"
     severity = "warning"
     summary = "GPU training never selects a device per process"
+    requires = (frameworks.DISTRIBUTED_WORDS, frozenset({"init_process_group", "horovod"}))
 
     invalid = (
         Example(

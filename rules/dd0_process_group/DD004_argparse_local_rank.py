@@ -64,6 +64,7 @@ class ArgparseLocalRank(Rule):
     name = "argparse-local-rank"
     severity = "warning"
     summary = "--local_rank argument selects the device but LOCAL_RANK is never read"
+    requires = (frozenset({"add_argument"}), frozenset({"local_rank", "local"}))  # "--local_rank" or "--local-rank"
 
     invalid = (
         Example(

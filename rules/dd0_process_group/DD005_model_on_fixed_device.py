@@ -57,6 +57,7 @@ class ModelOnFixedDevice(Rule):
     name = "model-on-fixed-device"
     severity = "error"
     summary = "model moved to a literal GPU index while each process selects its own device"
+    requires = (frameworks.MULTI_PROCESS_WORDS, frameworks.DDP_WORDS)
 
     invalid = (
         Example(

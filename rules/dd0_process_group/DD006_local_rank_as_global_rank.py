@@ -54,6 +54,7 @@ class LocalRankAsGlobalRank(Rule):
     name = "local-rank-as-global-rank"
     severity = "error"
     summary = "the node-local rank passed to init_process_group as the global rank"
+    requires = (frozenset({"init_process_group"}),)
 
     invalid = (
         Example(

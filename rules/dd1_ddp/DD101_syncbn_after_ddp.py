@@ -54,6 +54,7 @@ class SyncBatchNormAfterDDP(Rule):
     name = "syncbn-after-ddp"
     severity = "error"
     summary = "convert_sync_batchnorm() applied after the model was wrapped in DDP"
+    requires = (frozenset({"convert_sync_batchnorm"}),)
 
     invalid = (
         Example(

@@ -51,6 +51,7 @@ class DDPModuleBypass(Rule):
     name = "ddp-module-bypass"
     severity = "error"
     summary = "training forward through ddp.module: gradients are never all-reduced"
+    requires = (frameworks.DDP_WORDS,)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import names, syntax
+from distdoctor.lint.analysis import frameworks, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -64,6 +64,7 @@ class AccumulationWithoutNoSync(Rule):
     name = "accumulation-without-no-sync"
     severity = "warning"
     summary = "gradient accumulation on DDP without no_sync(): k-1 wasted all-reduces per step"
+    requires = (frameworks.DISTRIBUTED_WORDS, frozenset({"backward"}), frozenset({"step"}))
 
     invalid = (
         Example(

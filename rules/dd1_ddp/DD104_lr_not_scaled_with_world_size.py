@@ -57,6 +57,7 @@ class LrNotScaledWithWorldSize(Rule):
     severity = "info"
     default_on = False
     summary = "DDP learning rate independent of the world size"
+    requires = (frameworks.DDP_WORDS,)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds
+from distdoctor.lint.analysis import frameworks, kinds
 from distdoctor.lint.analysis.context import LintContext, wrapper_holding
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.kinds import Value
@@ -64,6 +64,7 @@ class ParamsChangedAfterWrap(Rule):
     name = "params-changed-after-wrap"
     severity = "error"
     summary = "submodule or parameter of the wrapped model replaced after DDP(...)"
+    requires = (frameworks.DDP_WORDS,)
 
     invalid = (
         Example(

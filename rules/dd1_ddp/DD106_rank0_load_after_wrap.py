@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
@@ -53,6 +53,7 @@ class Rank0LoadAfterWrap(Rule):
     name = "rank0-load-after-wrap"
     severity = "error"
     summary = "load_state_dict on rank 0 only after the DDP wrap: ranks train from different weights"
+    requires = (frozenset({"load_state_dict"}), frameworks.DDP_WORDS | frameworks.SHARDING_WORDS)
 
     invalid = (
         Example(

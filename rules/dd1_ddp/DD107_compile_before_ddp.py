@@ -52,6 +52,7 @@ class CompileBeforeDDP(Rule):
     name = "compile-before-ddp"
     severity = "info"
     summary = "torch.compile before the DDP wrap: wrap first, then compile"
+    requires = (frameworks.DDP_WORDS, frozenset({"compile"}))
 
     invalid = (
         Example(

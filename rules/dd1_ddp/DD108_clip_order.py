@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, names, syntax
+from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -56,6 +56,7 @@ class ClipOrder(Rule):
     name = "clip-order"
     severity = "warning"
     summary = "gradient clipping before backward, after step, or on scaled gradients"
+    requires = (frameworks.CLIP_WORDS,)
 
     invalid = (
         Example(

@@ -64,6 +64,7 @@ class MissingSetEpoch(Rule):
     name = "missing-set-epoch"
     severity = "warning"
     summary = "DistributedSampler shuffles but set_epoch() is never called"
+    requires = (frameworks.SAMPLER_WORDS,)
 
     invalid = (
         Example(

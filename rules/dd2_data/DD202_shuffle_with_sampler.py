@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -59,6 +59,7 @@ class ShuffleWithSampler(Rule):
     name = "shuffle-with-sampler"
     severity = "error"
     summary = "DataLoader given both shuffle=True and a sampler"
+    requires = (frameworks.LOADER_WORDS,)
 
     invalid = (
         Example(

@@ -95,6 +95,7 @@ class MissingDistributedSampler(Rule):
     name = "missing-distributed-sampler"
     severity = "warning"
     summary = "DDP/Horovod training DataLoader without a DistributedSampler"
+    requires = (frameworks.DDP_WORDS | frozenset({"DistributedOptimizer", "fully_shard", "FullyShardedDataParallel"}),)
 
     invalid = (
         Example(

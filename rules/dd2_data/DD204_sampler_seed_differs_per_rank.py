@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -68,6 +68,7 @@ class SamplerSeedDiffersPerRank(Rule):
     name = "sampler-seed-differs-per-rank"
     severity = "error"
     summary = "DistributedSampler seed depends on the rank, the time or a random source"
+    requires = (frameworks.SAMPLER_WORDS,)
 
     invalid = (
         Example(

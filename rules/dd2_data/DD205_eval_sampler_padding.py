@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.loaders import loader_loops, says_eval
@@ -65,6 +65,7 @@ class EvalSamplerPadding(Rule):
     severity = "info"
     default_on = False
     summary = "evaluation over a padding DistributedSampler counts some samples twice"
+    requires = (frameworks.SAMPLER_WORDS,)
 
     invalid = (
         Example(

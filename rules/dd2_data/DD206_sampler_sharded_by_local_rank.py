@@ -45,6 +45,7 @@ class SamplerShardedByLocalRank(Rule):
     name = "sampler-sharded-by-local-rank"
     severity = "error"
     summary = "DistributedSampler split by the local rank or one node's process count"
+    requires = (frameworks.SAMPLER_WORDS,)
 
     invalid = (
         Example(

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import guarded_calls
-from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis import frameworks, guarded_calls
+from distdoctor.lint.analysis.context import HOROVOD_COLLECTIVES, TORCH_COLLECTIVES, LintContext
 from distdoctor.lint.analysis.guarded_calls import DDP_FORWARD, SHARDED_FORWARDS
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
+
+# What every rank must join, by the words that name it (the rule's gate).
+JOINED_WORDS = TORCH_COLLECTIVES | HOROVOD_COLLECTIVES | frameworks.DDP_WORDS | frameworks.SHARDING_WORDS
 
 
 class CollectiveInRankBranch(Rule):
@@ -435,6 +438,15 @@ class CollectiveInRankBranch(Rule):
             """
         ),
     )
+
+    def applies(self, words: frozenset[str]) -> bool:
+        # What every rank must join: a collective, a forward or backward through DDP or a sharded
+        # model, or a project's gradient reducer (`reduce_gradients(model)`).
+        if frameworks.DISTRIBUTED_WORDS.isdisjoint(words):
+            return False
+        if not JOINED_WORDS.isdisjoint(words):
+            return True
+        return any(guarded_calls.is_gradient_reducer_name(word) for word in words)
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.is_distributed:

@@ -123,6 +123,7 @@ class UnguardedCheckpointSave(Rule):
     name = "unguarded-checkpoint-save"
     severity = "warning"
     summary = "torch.save of training state on every rank (or once per node)"
+    requires = (frameworks.MULTI_PROCESS_WORDS, frameworks.SAVE_WORDS)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -79,6 +79,7 @@ class DDPStateDictPrefix(Rule):
     severity = "warning"
     default_on = False
     summary = "saved state_dict of the DDP wrapper: keys carry the `module.` prefix"
+    requires = (frameworks.SAVE_WORDS,)
 
     invalid = (
         Example(

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.loops import training_loops
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -90,6 +90,7 @@ class PrintOnEveryRank(Rule):
     severity = "info"
     default_on = False
     summary = "training progress printed by every rank"
+    requires = (frameworks.MULTI_PROCESS_WORDS,)
 
     invalid = (
         Example(

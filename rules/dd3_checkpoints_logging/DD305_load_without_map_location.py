@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.finding import Edit, Fix
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -80,6 +80,7 @@ class LoadWithoutMapLocation(Rule):
     severity = "warning"
     default_on = False
     summary = "torch.load without map_location in a distributed GPU script: every rank loads onto GPU 0"
+    requires = (frameworks.DISTRIBUTED_WORDS, frozenset({"load"}))  # GPU_WORDS may be in a comment
 
     invalid = (
         Example(

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -63,6 +63,7 @@ class MetricNotReduced(Rule):
     name = "metric-not-reduced"
     severity = "info"
     summary = "validation metric of one rank's shard reported without all-reduce"
+    requires = (frameworks.DISTRIBUTED_WORDS, frameworks.SAMPLER_WORDS, frameworks.LOADER_WORDS)
 
     invalid = (
         Example(

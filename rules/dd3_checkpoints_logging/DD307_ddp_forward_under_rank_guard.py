@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import guarded_calls
+from distdoctor.lint.analysis import frameworks, guarded_calls
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.guarded_calls import DDP_FORWARD, Event
 from distdoctor.lint.analysis.names import dotted
@@ -63,6 +63,7 @@ class DDPForwardUnderRankGuard(Rule):
     severity = "warning"
     default_on = False
     summary = "forward through the DDP wrapper on some ranks only: hangs when the model has buffers"
+    requires = (frameworks.DISTRIBUTED_WORDS, frameworks.DDP_WORDS)
 
     invalid = (
         Example(

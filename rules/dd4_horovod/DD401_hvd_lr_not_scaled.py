@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
 from distdoctor.lint.analysis.scaling import batch_divided_by_workers
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -59,6 +59,7 @@ class HorovodLrNotScaled(Rule):
     severity = "warning"
     default_on = False
     summary = "Horovod learning rate not scaled by hvd.size()"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -54,6 +54,7 @@ class HorovodBroadcastOrder(Rule):
     name = "hvd-broadcast-order"
     severity = "error"
     summary = "Horovod broadcast before the state it must cover exists"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

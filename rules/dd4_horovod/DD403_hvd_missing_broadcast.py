@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.trace import Step
@@ -67,6 +67,7 @@ class HorovodMissingBroadcast(Rule):
     name = "hvd-missing-broadcast"
     severity = "error"
     summary = "hvd.DistributedOptimizer used but the weights are never broadcast from rank 0"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

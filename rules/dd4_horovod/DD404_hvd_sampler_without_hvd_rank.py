@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -51,6 +51,7 @@ class HorovodSamplerWithoutHorovodRank(Rule):
     name = "hvd-sampler-without-hvd-rank"
     severity = "error"
     summary = "DistributedSampler without num_replicas=hvd.size(), rank=hvd.rank() under Horovod"
+    requires = (frameworks.HOROVOD_WORDS, frameworks.SAMPLER_WORDS)
 
     invalid = (
         Example(

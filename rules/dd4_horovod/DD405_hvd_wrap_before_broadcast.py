@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from distdoctor.lint.analysis import frameworks
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -48,6 +49,7 @@ class HorovodWrapBeforeBroadcast(Rule):
     severity = "info"
     default_on = False
     summary = "hvd.DistributedOptimizer created before the broadcasts (house style)"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

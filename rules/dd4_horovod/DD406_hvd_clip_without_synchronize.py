@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.kinds import Value
@@ -69,6 +69,7 @@ class HorovodClipWithoutSynchronize(Rule):
     name = "hvd-clip-without-synchronize"
     severity = "warning"
     summary = "gradient clipping under hvd.DistributedOptimizer without synchronize() first"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

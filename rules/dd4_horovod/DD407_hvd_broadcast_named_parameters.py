@@ -54,6 +54,7 @@ class HorovodBroadcastNamedParameters(Rule):
     name = "hvd-broadcast-named-parameters"
     severity = "error"
     summary = "hvd.broadcast_parameters() given parameters()/named_parameters() instead of state_dict()"
+    requires = (frozenset({"broadcast_parameters"}),)
 
     invalid = (
         Example(

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
+from distdoctor.lint.analysis import frameworks
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -56,6 +57,7 @@ class TorchSyncBatchNormUnderHorovod(Rule):
     name = "torch-syncbn-under-horovod"
     severity = "warning"
     summary = "torch.nn.SyncBatchNorm under Horovod without a torch.distributed process group"
+    requires = (frameworks.HOROVOD_WORDS, frozenset({"SyncBatchNorm", "convert_sync_batchnorm"}))
 
     invalid = (
         Example(

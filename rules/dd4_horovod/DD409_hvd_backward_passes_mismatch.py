@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.trace import Step, Trace
@@ -56,6 +56,7 @@ class HorovodBackwardPassesMismatch(Rule):
     name = "hvd-backward-passes-mismatch"
     severity = "warning"
     summary = "backward_passes_per_step differs from the number of backward passes per step()"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

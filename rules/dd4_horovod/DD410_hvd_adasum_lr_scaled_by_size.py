@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext, is_lr_slot
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -64,6 +64,7 @@ class HorovodAdasumLrScaledBySize(Rule):
     name = "hvd-adasum-lr-scaled-by-size"
     severity = "warning"
     summary = "learning rate scaled by hvd.size() while Adasum may be on"
+    requires = (frameworks.HOROVOD_WORDS,)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 from distdoctor.lint.analysis.trace import Trace
@@ -60,6 +60,7 @@ class OptimizerBeforeShard(Rule):
     name = "optimizer-before-shard"
     severity = "error"
     summary = "optimizer created on the parameters before fully_shard()/FSDP() sharded the model"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

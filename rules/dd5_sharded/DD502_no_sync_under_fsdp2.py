@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -60,6 +60,7 @@ class NoSyncUnderFSDP2(Rule):
     name = "no-sync-under-fsdp2"
     severity = "warning"
     summary = "no_sync()/require_backward_grad_sync/isinstance(DDP) accumulation on an FSDP2 model"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

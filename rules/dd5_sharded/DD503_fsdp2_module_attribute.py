@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step
 from distdoctor.lint.rule import Example, Report, Rule
@@ -55,6 +55,7 @@ class FSDP2ModuleAttribute(Rule):
     name = "fsdp2-module-attribute"
     severity = "error"
     summary = "`.module` on a model sharded with fully_shard(), which is not a wrapper"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.rule import Example, Report, Rule
 from distdoctor.lint.analysis.sharding import FSDP1, ShardEvent, type_checked
@@ -55,6 +55,7 @@ class FSDPClipLocalNorm(Rule):
     name = "fsdp-clip-local-norm"
     severity = "error"
     summary = "torch.nn.utils.clip_grad_norm_ on FSDP (v1) shards clips by a per-rank norm"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

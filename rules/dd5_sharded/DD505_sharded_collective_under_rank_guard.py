@@ -10,7 +10,7 @@ import libcst as cst
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.sharding import FSDP1, FSDP2, FSDP_CLASS, TP, type_checked
 
 DCP = "torch.distributed.checkpoint"
@@ -84,6 +84,7 @@ class ShardedCollectiveUnderRankGuard(Rule):
     name = "sharded-collective-under-rank-guard"
     severity = "error"
     summary = "collective state-dict/checkpoint call (dcp, get_state_dict, FSDP state_dict) under a rank guard"
+    requires = (frameworks.DISTRIBUTED_WORDS, frozenset({"checkpoint", "FullyShardedDataParallel"}))
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -59,6 +59,7 @@ class ShardedStateSavedOnRank0(Rule):
     name = "sharded-state-saved-on-rank0"
     severity = "error"
     summary = "torch.save of an FSDP2/DTensor (sharded) state dict on one rank saves one shard"
+    requires = (frameworks.SHARDING_WORDS, frameworks.SAVE_WORDS)
 
     invalid = (
         Example(

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
@@ -68,6 +68,7 @@ class FP16WithoutShardedScaler(Rule):
     name = "fp16-without-sharded-scaler"
     severity = "warning"
     summary = "float16 with FSDP and a plain GradScaler (or none): use ShardedGradScaler or bfloat16"
+    requires = (frameworks.SHARDING_WORDS | frozenset({"MixedPrecision", "MixedPrecisionPolicy"}),)
 
     invalid = (
         Example(

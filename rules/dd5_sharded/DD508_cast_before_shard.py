@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import syntax
+from distdoctor.lint.analysis import frameworks, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -54,6 +54,7 @@ class CastBeforeShard(Rule):
     name = "cast-before-shard"
     severity = "warning"
     summary = "model cast to half/bfloat16 before fully_shard()/FSDP(): use a mixed-precision policy"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

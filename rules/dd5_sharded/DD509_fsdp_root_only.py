@@ -57,6 +57,7 @@ class FSDPRootOnly(Rule):
     severity = "info"
     default_on = False
     summary = "fully_shard() on the root module only: no per-block sharding, no overlap"
+    requires = (frozenset({"fully_shard"}),)
 
     invalid = (
         Example(

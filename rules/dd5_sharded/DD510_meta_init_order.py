@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -74,6 +74,7 @@ class MetaInitOrder(Rule):
     name = "meta-init-order"
     severity = "error"
     summary = "meta-device model sharded and trained without to_empty() and a re-initialisation"
+    requires = (frameworks.SHARDING_WORDS,)
 
     invalid = (
         Example(

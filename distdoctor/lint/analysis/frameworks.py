@@ -53,3 +53,20 @@ SELECTS_DEVICE = tuple(f.module for f in FRAMEWORKS if f.selects_device)
 CALLS_SET_EPOCH = tuple(f.module for f in FRAMEWORKS if f.calls_set_epoch)
 SHARDS_LOADERS = tuple(f.module for f in FRAMEWORKS if f.shards_loaders)
 PASSES_LOCAL_RANK_FLAG = tuple(f.module for f in FRAMEWORKS if f.passes_local_rank_flag)
+
+
+# Word groups for the rules' gates (`Rule.requires`): a call or import resolved to one of these
+# APIs has the word in the code, whatever the alias it is called by.
+DDP_WORDS = frozenset({"DistributedDataParallel"})
+HOROVOD_WORDS = frozenset({"horovod"})
+SHARDING_WORDS = frozenset({"fully_shard", "FullyShardedDataParallel", "parallelize_module"})
+SAMPLER_WORDS = frozenset({"DistributedSampler"})
+LOADER_WORDS = frozenset({"DataLoader"})
+SAVE_WORDS = frozenset({"save"})
+CLIP_WORDS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
+# `LintContext.is_distributed`: torch.distributed, torch.nn.parallel, a DistributedSampler or
+# Horovod imported, or init_process_group/DistributedDataParallel called.
+DISTRIBUTED_WORDS = frozenset({"distributed", "parallel", "DistributedSampler", "horovod", "init_process_group", "DistributedDataParallel"})
+# `LintContext.runs_multi_process`: a process group started (by torch or a project helper),
+# Horovod initialised, or a model wrapped in DDP.
+MULTI_PROCESS_WORDS = PROCESS_GROUP_STARTERS | DDP_WORDS | HOROVOD_WORDS

@@ -192,6 +192,10 @@ def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSki
 _GRADIENT_REDUCER = re.compile(r"^(all_?)?reduce_?grad(ient)?s$|^average_?grad(ient)?s$|^sync_?grad(ient)?s$|^allreduce_?grad(ient)?s$")
 
 
+def is_gradient_reducer_name(name: str) -> bool:
+    return _GRADIENT_REDUCER.match(name.lower()) is not None
+
+
 def _gradient_reducer(ctx: LintContext, call: cst.Call) -> str | None:
     name = dotted(call.func)
     if name is None or name in ctx.info.functions:
