@@ -17,8 +17,6 @@ from distdoctor.lint.rule import Example, Report, Rule
 # caller the analysis did not see: too weak to call it global.
 GLOBAL_ORIGINS = frozenset({"env", "dist", "hvd", "arith"})
 RANK_GETTERS = frozenset({"get_rank", "get_global_rank"})
-# The words, besides those containing "rank", that a global rank can be derived from (kinds.py).
-OTHER_RANK_WORDS = frozenset({"SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "nr", "node_id", "node_idx", "node_index"})
 
 
 class RankAsDevice(Rule):
@@ -68,6 +66,7 @@ class RankAsDevice(Rule):
     name = "rank-as-device"
     severity = "warning"
     summary = "global rank used as a CUDA device index"
+    requires = (kinds.RANK_WORDS,)  # what a global rank is read or computed from
 
     invalid = (
         Example(
@@ -254,11 +253,6 @@ class RankAsDevice(Rule):
             """
         ),
     )
-
-    def applies(self, words: frozenset[str]) -> bool:
-        # A global rank is read from a name or variable that says "rank" (`get_rank`, `RANK`,
-        # `hvd.rank`, `args.rank`, `node_rank * n + gpu`), or from Slurm's or a node's index.
-        return any("rank" in word.lower() or word in OTHER_RANK_WORDS for word in words)
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         reported: set[int] = set()

@@ -10,8 +10,10 @@ from distdoctor.lint.analysis.guarded_calls import DDP_FORWARD, SHARDED_FORWARDS
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
-# What every rank must join, by the words that name it (the rule's gate).
-JOINED_WORDS = TORCH_COLLECTIVES | HOROVOD_COLLECTIVES | frameworks.DDP_WORDS | frameworks.SHARDING_WORDS
+# What every rank must join, by the words that name it (the rule's gate). A collective resolves to
+# `torch.distributed.*` or `horovod.*`: the module's word is in the code too (`os.path.join` and
+# `functools.reduce` alone are not collectives).
+MODELS_JOINED = frameworks.DDP_WORDS | frameworks.SHARDING_WORDS
 
 
 class CollectiveInRankBranch(Rule):
@@ -444,7 +446,11 @@ class CollectiveInRankBranch(Rule):
         # model, or a project's gradient reducer (`reduce_gradients(model)`).
         if frameworks.DISTRIBUTED_WORDS.isdisjoint(words):
             return False
-        if not JOINED_WORDS.isdisjoint(words):
+        if not MODELS_JOINED.isdisjoint(words):
+            return True
+        if "distributed" in words and not TORCH_COLLECTIVES.isdisjoint(words):
+            return True
+        if "horovod" in words and not HOROVOD_COLLECTIVES.isdisjoint(words):
             return True
         return any(guarded_calls.is_gradient_reducer_name(word) for word in words)
 

@@ -110,14 +110,25 @@ def join(first: RankSet | None, second: RankSet | None) -> RankSet | None:
     return RankSet(first.zero, certain=first.certain and second.certain and first.zero == second.zero)
 
 
+RANK_ENV = frozenset({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"})
+LOCAL_RANK_ENV = frozenset({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"})
+NODE_RANK_ENV = frozenset({"NODE_RANK", "GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"})
+# Every word a global rank can be derived from: a rank, local rank or node rank by its name or
+# its environment variable, or a rank getter (`dist.get_rank()`, `hvd.rank()`): a rule's gate.
+RANK_WORDS = (
+    RANK_NAMES | LOCAL_RANK_NAMES | NODE_RANK_NAMES | RANK_ENV | LOCAL_RANK_ENV | NODE_RANK_ENV
+    | frozenset({"get_rank", "get_global_rank"})
+)
+
+
 def env_value(name: str, node: cst.CSTNode) -> Value | None:
-    if name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
+    if name in RANK_ENV:
         return Value(RANK, node, origin="env", name=name)
-    if name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"):
+    if name in LOCAL_RANK_ENV:
         return Value(LOCAL_RANK, node, origin="env", name=name)
     if name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
         return Value(WORLD_SIZE, node, origin="env", name=name)
-    if name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"):
+    if name in NODE_RANK_ENV:
         return Value(NODE_RANK, node, origin="env", name=name)
     if name in ("LOCAL_WORLD_SIZE",):
         return Value(LOCAL_SIZE, node, origin="env", name=name)
