@@ -380,3 +380,75 @@ def test_public_api_is_cheap_to_import_and_lints(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Rule gates: the words a file must have for a rule to run, and no tree when no rule can
+
+
+@pytest.mark.parametrize(
+    ("text", "present", "absent"),
+    [
+        ("x = dist.all_reduce(t)  # barrier\n", {"dist", "all_reduce", "t"}, {"barrier"}),
+        ('def f():\n    """Calls DistributedDataParallel."""\n    return 1\n', {"f", "return"}, {"DistributedDataParallel", "Calls"}),
+        ("s = 'a # b'; dist.barrier()\n", {"barrier", "a", "b"}, set()),
+        ('s = "\'\'\'"; torch.save(m, p)\n', {"save"}, set()),
+        ('os.environ["LOCAL_RANK"]\n', {"LOCAL_RANK", "environ"}, set()),
+        ('x = f"""cuda:{rank}"""\n', {"rank", "cuda"}, set()),
+        ('x = rb"""DDP"""\ny = 1\n', {"y"}, {"DDP"}),
+        ('s = "a\\\nb"; init_process_group()\n', {"init_process_group"}, set()),
+    ],
+)
+def test_code_words_are_the_code_and_its_strings_not_comments_or_docstrings(text, present, absent):
+    words = engine.code_words(text)
+    assert present <= words
+    assert not (absent & words)
+
+
+def test_code_words_cover_every_name_python_sees():
+    # The gate's soundness: every identifier CPython's parser finds is among the words.
+    import ast
+
+    for rule in all_rules():
+        for example in (*rule.invalid, *rule.valid):
+            source = example.source
+            names = {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
+            names |= {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)}
+            assert names <= engine.code_words(source), rule.code
+
+
+def test_every_invalid_example_passes_its_rules_gate():
+    for rule in all_rules():
+        for example in rule.invalid:
+            assert rule.applies(engine.code_words(example.source)), rule.code
+
+
+def test_a_file_no_rule_gate_lets_through_is_not_parsed_by_libcst(monkeypatch):
+    # torch.distributed imported and a rank read, but nothing any rule checks: no collective,
+    # no DDP, no sampler, no save, no device.
+    source = DIST + "def world():\n    return dist.get_world_size()\n"
+    assert [rule.code for rule in all_rules() if rule.applies(engine.code_words(source))] == []
+
+    def boom(*args, **kwargs):
+        raise AssertionError("libcst parsed a file no rule can fire on")
+
+    import libcst
+
+    monkeypatch.setattr(libcst, "parse_module", boom)
+    assert lint_text(source).findings == ()
+
+
+def test_a_file_no_rule_gate_lets_through_is_still_dd000_when_it_does_not_parse():
+    result = lint_text(DIST + "def world(:\n    return dist.get_world_size()\n")
+    assert codes(result) == ["DD000"]
+    assert (result.findings[0].line, result.findings[0].column) == (2, 11)
+
+
+def test_only_the_rules_whose_gate_passes_run(monkeypatch):
+    ran = []
+    for rule in all_rules():
+        monkeypatch.setattr(type(rule), "check", lambda self, ctx, code=rule.code: ran.append(code) or ())
+    lint_text(DIST + "import horovod.torch as hvd\nhvd.init()\n")
+    # Horovod started: the rules that need only Horovod, a started job or an initialisation run;
+    # not those that need a sampler, a save, a collective, a rank or a sharded model.
+    assert sorted(ran) == ["DD003", "DD304", "DD401", "DD402", "DD403", "DD405", "DD406", "DD409", "DD410"]
