@@ -204,6 +204,8 @@ class DDPModuleBypass(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.may_call(frameworks.DDP):
+            return  # every finding needs a DDP wrapper, built by a DistributedDataParallel(...) call
         yield from _discarded_wrappers(ctx)
         for trace in ctx.traces:
             for step, call in trace.calls():

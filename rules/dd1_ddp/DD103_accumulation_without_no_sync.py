@@ -300,8 +300,8 @@ class AccumulationWithoutNoSync(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.uses_torch_distributed or _controls_sync(ctx):
-            return
+        if not ctx.may_call_method("step") or not ctx.uses_torch_distributed or _controls_sync(ctx):
+            return  # an optimizer step is `<optimizer>.step()` or `<scaler>.step(optimizer)`
         for trace in ctx.traces:
             for step, call in trace.calls():
                 if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:

@@ -145,6 +145,8 @@ class ParamsChangedAfterWrap(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.may_call(frameworks.DDP):
+            return  # every finding needs a DDP wrapper, built by a DistributedDataParallel(...) call
         for trace in ctx.traces:
             for step in trace.steps:
                 node = step.node

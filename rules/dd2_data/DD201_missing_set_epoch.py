@@ -326,7 +326,7 @@ class MissingSetEpoch(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if ctx.imports.imports_any(frameworks.CALLS_SET_EPOCH):
+        if ctx.imports.imports_any(frameworks.CALLS_SET_EPOCH) or not ctx.may_call(*frameworks.SAMPLER_QUALS):
             return
         if self._unresolved_set_epoch(ctx):
             return  # some set_epoch reaches a sampler we cannot identify: stay silent

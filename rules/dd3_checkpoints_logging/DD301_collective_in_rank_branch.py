@@ -455,7 +455,7 @@ class CollectiveInRankBranch(Rule):
         return any(guarded_calls.is_gradient_reducer_name(word) for word in words)
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed:
+        if not ctx.is_distributed or not guarded_calls.may_join(ctx):
             return
         for trace in ctx.traces:
             found = guarded_calls.events(ctx, trace)

@@ -243,8 +243,8 @@ class MetricNotReduced(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed:
-            return
+        if not ctx.is_distributed or not ctx.may_call(*frameworks.SAMPLER_QUALS):
+            return  # an evaluation loop here iterates a DataLoader over a DistributedSampler
         for trace in ctx.traces:
             for loop_step in _eval_loops(ctx, trace):
                 yield from _unreduced_reports(ctx, trace, loop_step)

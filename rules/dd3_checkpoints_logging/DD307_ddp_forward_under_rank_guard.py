@@ -182,6 +182,8 @@ class DDPForwardUnderRankGuard(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.may_call(frameworks.DDP):
+            return  # every finding needs a DDP wrapper, built by a DistributedDataParallel(...) call
         if not ctx.is_distributed:
             return
         for trace in ctx.traces:

@@ -200,6 +200,8 @@ class ShardedCollectiveUnderRankGuard(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.is_distributed or not any(word in ctx.source for word in ("checkpoint", "FullyShardedDataParallel")):
             return
+        if not _may_have_collectives(ctx):
+            return
         for trace in ctx.traces:
             every = [(step, call, name, ctx.rank_guards(trace, step)) for step, call, name in _collectives(ctx, trace)]
             for step, call, name, guards in every:
@@ -215,6 +217,14 @@ class ShardedCollectiveUnderRankGuard(Rule):
                     f"`{name}` is a collective (every rank must call it) but runs only on {where} (condition on line "
                     f"{line}): the job hangs. Call it on every rank and guard only the write to disk.",
                 )
+
+
+def _may_have_collectives(ctx: LintContext) -> bool:
+    """Whether any call of the file can be one `_collectives` yields, without the traces: a DCP or
+    static FSDP call, or a method of an FSDP (v1) wrapper."""
+    if any(qual.startswith(DCP) or qual.rpartition(".")[0] in FSDP_CLASS for qual in ctx.called_qualnames):
+        return True
+    return ctx.sharding.uses(FSDP1)
 
 
 def _collectives(ctx: LintContext, trace: Trace) -> Iterator[tuple[Step, cst.Call, str]]:

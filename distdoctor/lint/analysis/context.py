@@ -6,7 +6,7 @@ name resolution, statement order or rank guards on their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -100,6 +100,8 @@ class LintContext:
     def calls(self, *qualnames: str, suffix: str | None = None) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """Calls on the code path to any of `qualnames` (or whose qualified name ends with
         `.suffix`), with their trace and step."""
+        if not self.may_call(*qualnames, suffix=suffix):
+            return  # no such call anywhere in the file: no trace needs building to say so
         calls, positions = self._qualified_calls
         wanted: list[int] = []
         for qual, where in positions.items():
@@ -125,7 +127,50 @@ class LintContext:
 
     def method_calls(self, method: str) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """`<something>.method(...)` calls on the code path, whatever the receiver."""
+        if not self.may_call_method(method):
+            return iter(())
         return iter(self._method_calls.get(method, ()))
+
+    # Every call of the file, on a code path or not, by qualified name and by method name: a
+    # superset of the calls on the traces (a trace's calls are the file's own nodes), which answers
+    # "no such call" without building the traces. On files that merely use torch.distributed
+    # most rules stop there.
+    @cached_property
+    def _call_names(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        quals: set[str] = set()
+        methods: set[str] = set()
+        last_parts: set[str] = set()
+        for call in self.nodes(cst.Call):
+            func = call.func
+            if type(func) is cst.Attribute:
+                methods.add(func.attr.value)
+                last_parts.add(func.attr.value)
+            elif type(func) is cst.Name:
+                last_parts.add(func.value)
+            qual = self.qualname(func)
+            if qual is not None:
+                quals.add(qual)
+        return frozenset(quals), frozenset(methods), frozenset(last_parts)
+
+    def may_call(self, *qualnames: str, suffix: str | None = None) -> bool:
+        """Whether the file calls one of `qualnames` (or a name ending with `.suffix`) anywhere."""
+        quals = self._call_names[0]
+        if not quals.isdisjoint(qualnames):
+            return True
+        return suffix is not None and any(qual.endswith("." + suffix) for qual in quals)
+
+    @property
+    def called_qualnames(self) -> frozenset[str]:
+        """The qualified name of every call in the file (see `may_call`)."""
+        return self._call_names[0]
+
+    def may_call_method(self, method: str) -> bool:
+        """Whether `<something>.method(...)` is called anywhere in the file."""
+        return method in self._call_names[1]
+
+    def may_call_named(self, names: Iterable[str]) -> bool:
+        """Whether a call's callee ends with one of `names` (`f(...)`, `a.b.f(...)`) anywhere."""
+        return not self._call_names[2].isdisjoint(names)
 
     @cached_property
     def _method_calls(self) -> dict[str, list[tuple[Trace, Step, cst.Call]]]:
@@ -147,10 +192,10 @@ class LintContext:
     def uses_torch_distributed(self) -> bool:
         if self.imports.imports_any(["torch.distributed", "torch.nn.parallel", "torch.utils.data.DistributedSampler", "torch.utils.data.distributed"]):
             return True
-        return any(
-            (dotted(call.func) or "").endswith(("init_process_group", "DistributedDataParallel"))
-            for _, call in self._all_calls
-        )
+        ends = ("init_process_group", "DistributedDataParallel")
+        if not any(name.endswith(ends) for name in self._call_names[2]):
+            return False
+        return any((dotted(call.func) or "").endswith(ends) for _, call in self._all_calls)
 
     @cached_property
     def is_distributed(self) -> bool:
@@ -163,6 +208,8 @@ class LintContext:
     @cached_property
     def process_group_initialised(self) -> bool:
         """Whether `torch.distributed.init_process_group` (or an equivalent) is called."""
+        if not self.may_call_named(frameworks.PROCESS_GROUP_STARTERS):
+            return False
         for _, call in self._all_calls:
             text = dotted(call.func) or ""
             if text.rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS:
@@ -382,7 +429,7 @@ class LintContext:
         if self.process_group_initialised:
             return True
         wanted = (frameworks.HOROVOD_INIT, frameworks.DDP)
-        return any(self.qualname(call.func) in wanted for _, call in self._all_calls)
+        return self.may_call(*wanted) and any(self.qualname(call.func) in wanted for _, call in self._all_calls)
 
     def data_flow(self, trace: Trace, start: Step, seeds: set[tuple[int, str]]) -> Iterator[tuple[Step, bool]]:
         """Follow data forward from `start` along the trace: yields every later step with whether

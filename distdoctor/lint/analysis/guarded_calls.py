@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.names import dotted
-from distdoctor.lint.analysis.sharding import FSDP2
+from distdoctor.lint.analysis.sharding import FSDP2, FSDP_CLASS, FULLY_SHARD, PARALLELIZE
 from distdoctor.lint.analysis.trace import Step, Trace
 
 DDP_FORWARD = "a forward through the DistributedDataParallel wrapper"
@@ -31,6 +31,16 @@ class Event:
     call: cst.Call
     what: str  # the collective's qualified name, DDP_FORWARD or one of SHARDED_FORWARDS
     guards: tuple[RankGuard, ...]
+
+
+def may_join(ctx: LintContext) -> bool:
+    """Whether the file calls anything every rank must join, anywhere: a collective, a DDP or
+    sharding constructor (a DDP or sharded model's forward and backward are collectives), or a
+    project's gradient reducer. Without one, no event, value check or loop exit can be found, and
+    the traces need not be built to say so."""
+    if ctx.may_call(frameworks.DDP, *FULLY_SHARD, *FSDP_CLASS, *PARALLELIZE):
+        return True
+    return any(ctx.collective_name(call) is not None or _gradient_reducer(ctx, call) is not None for call in ctx.nodes(cst.Call))
 
 
 def events(ctx: LintContext, trace: Trace) -> list[Event]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import kinds, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
@@ -42,6 +42,8 @@ class LoaderLoop:
 def loader_loops(ctx) -> Iterator[LoaderLoop]:
     """Loops drawing from a `DataLoader`: `for b in loader`, `for i, b in enumerate(tqdm(loader))`,
     `it = iter(loader)` ... `next(it)` inside a loop."""
+    if not ctx.may_call(*frameworks.LOADER_QUALS):
+        return  # a loader value comes from a DataLoader(...) call
     for trace in ctx.traces:
         training = loops_with_backward(trace)
         for step in trace.steps:
