@@ -155,6 +155,10 @@ class _Builder:
         self.inlined: set[int] = set()  # id() of function defs entered
         self.test_results: dict[int, dict[int, Value | None]] = {}  # id(if) -> its test's call results
         self.spent = [0]  # steps of the file's earlier traces, shared by its builders
+        # The most `len(steps) + len(body)` any budget check of this builder has met: a run whose
+        # checks all passed runs alike again as long as `spent` stays below the budget minus it.
+        self.peak = 0
+        self.over_budget = False
 
     # statements ------------------------------------------------------------------------------
     def run_block(
@@ -344,8 +348,12 @@ class _Builder:
     def enter(self, function, cls, self_value, call, caller, loops, guards, results, skip_first):
         if id(function) in {id(f.function) for f in caller.chain()} or caller.depth >= MAX_DEPTH:
             return self_value
-        if caller.function is not None and self.spent[0] + len(self.steps) + len(function.body.body) > MAX_INLINED_STEPS:
-            return self_value  # over budget: the call stays opaque, as one too deep does
+        if caller.function is not None:
+            needed = len(self.steps) + len(function.body.body)
+            self.peak = max(self.peak, needed)
+            if self.spent[0] + needed > MAX_INLINED_STEPS:
+                self.over_budget = True
+                return self_value  # over budget: the call stays opaque, as one too deep does
         self.inlined.add(id(function))
         frame = Frame(function, cls, caller, call, next(self.frame_ids))
         self.bind_params(function, call, frame, caller, results, skip_first)
@@ -473,6 +481,10 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
     ]
     for cls in ctx.classes.values():
         candidates.extend((method, cls) for method in ctx.methods(cls).values())
+    # A method nothing reached is traced after its class's `__init__`, which runs alike before
+    # each such method: its steps are built once and shared by those traces (they were a third
+    # of all steps on class-heavy files), as long as the inlining budget cannot cut a run short.
+    inits: dict[int, tuple[list[Step], Env, set[int], int]] = {}
     for function, cls in candidates:
         if id(function) in reached:
             continue
@@ -485,7 +497,16 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
             instance = Value(INSTANCE, cls, attrs={"class": cls.name.value})
             init = ctx.methods(cls).get("__init__")
             if init is not None and init is not function:
-                root.enter(init, cls, instance, cst.Call(func=cst.Name("__init__")), frame, (), (), {}, True)
+                ran = inits.get(id(init))
+                if ran is not None and builder.spent[0] + ran[3] <= MAX_INLINED_STEPS:
+                    steps, env, inlined, _ = ran
+                    root.steps.extend(steps)
+                    root.env = env.copy()  # a nested `def` binds into the current environment in place
+                    root.inlined |= inlined
+                else:
+                    root.enter(init, cls, instance, cst.Call(func=cst.Name("__init__")), frame, (), (), {}, True)
+                    if not root.over_budget:
+                        inits[id(init)] = (list(root.steps), root.env.copy(), set(root.inlined), root.peak)
             fake_call = cst.Call(func=cst.Name(function.name.value))
             root.enter(function, cls, instance, fake_call, frame, (), (), {}, True)
         else:
