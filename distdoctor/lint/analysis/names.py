@@ -100,18 +100,48 @@ def _walk_statements(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
     """Imports, defs and assignments anywhere in the module (statements only: no expression
     holds any), without a libcst visitor, which rebuilds every node it passes."""
     stack = [node]
+    kinds = _STATEMENT_KIND
     while stack:
         current = stack.pop()
         yield current
-        if isinstance(current, cst.SimpleStatementLine):
+        kind = kinds.get(type(current))
+        if kind is None:
+            kind = _statement_kind(type(current))
+        if kind == _LINE:
             stack.extend(reversed(current.body))
             continue
-        if isinstance(current, (cst.BaseSmallStatement, cst.BaseExpression)):
+        if kind == _LEAF or kind == _EXPRESSION:
             continue
         for name in current.__dataclass_fields__:
             value = getattr(current, name)
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            stack.extend(item for item in reversed(items) if isinstance(item, (cst.BaseStatement, cst.BaseSuite, cst.BaseSmallStatement, cst.Else, cst.ExceptHandler, cst.Finally, cst.MatchCase, cst.ExceptStarHandler)))
+            items = value if type(value) in (list, tuple) else (value,)
+            for item in reversed(items):
+                item_kind = kinds.get(type(item))
+                if item_kind is None:
+                    item_kind = _statement_kind(type(item))
+                if item_kind <= _BLOCK:
+                    stack.append(item)
+
+
+# What `_walk_statements` does with a node, by its exact type: libcst's node classes are ABCs, and
+# `isinstance` through ABCMeta cost most of that walk; a dict lookup gives the same answers.
+_LINE, _LEAF, _BLOCK, _EXPRESSION, _OTHER = 0, 1, 2, 3, 4
+_STATEMENT_KIND: dict[type, int] = {}
+
+
+def _statement_kind(kind: type) -> int:
+    if issubclass(kind, cst.SimpleStatementLine):
+        found = _LINE
+    elif issubclass(kind, cst.BaseSmallStatement):
+        found = _LEAF
+    elif issubclass(kind, cst.BaseExpression):
+        found = _EXPRESSION
+    elif issubclass(kind, (cst.BaseStatement, cst.BaseSuite, cst.Else, cst.ExceptHandler, cst.Finally, cst.MatchCase, cst.ExceptStarHandler)):
+        found = _BLOCK
+    else:
+        found = _OTHER
+    _STATEMENT_KIND[kind] = found
+    return found
 
 
 class _ImportCollector:
