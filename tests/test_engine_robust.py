@@ -397,6 +397,7 @@ def test_public_api_is_cheap_to_import_and_lints(tmp_path):
         ('x = f"""cuda:{rank}"""\n', {"rank", "cuda"}, set()),
         ('x = rb"""DDP"""\ny = 1\n', {"y"}, {"DDP"}),
         ('s = "a\\\nb"; init_process_group()\n', {"init_process_group"}, set()),
+        ('x = """a \\""" b"""; dist.all_reduce(t)\ny = """c"""\n', {"all_reduce", "y"}, {"b", "c"}),
     ],
 )
 def test_code_words_are_the_code_and_its_strings_not_comments_or_docstrings(text, present, absent):

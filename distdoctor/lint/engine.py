@@ -210,7 +210,7 @@ _WORD = re.compile(r"[A-Za-z_]\w*")
 # one never starts another.
 _NOT_CODE = re.compile(
     r"#[^\n]*"
-    r'|[rRbBuUfF]{0,2}(?:"""[\s\S]*?"""|' r"'''[\s\S]*?''')"
+    r'|[rRbBuUfF]{0,2}(?:"""(?:\\[\s\S]|[^\\])*?"""|' r"'''(?:\\[\s\S]|[^\\])*?''')"
     r'|[rRbBuUfF]{0,2}(?:"(?:\\[\s\S]|[^"\\\n])*"|' r"'(?:\\[\s\S]|[^'\\\n])*')"
 )
 
