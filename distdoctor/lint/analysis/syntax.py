@@ -143,14 +143,27 @@ def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
     """Calls under `node` in evaluation order: arguments (and the receiver) before the call."""
     out: list[cst.Call] = []
     call_type = cst.Call
+    kinds = _KIND
+    fields_of = _CODE_FIELDS
+    descend = _DESCEND
 
     def visit(current: cst.CSTNode) -> None:
-        for name in _code_fields(type(current)):
+        fields = fields_of.get(type(current))
+        if fields is None:
+            fields = _code_fields(type(current))
+        for name in fields:
             value = getattr(current, name)
-            items = value if _kind(type(value)) == 2 else (value,)
-            for item in items:
-                kind = type(item)
-                if _kind(kind) == 1 and not _skipped(kind, _OPAQUE):
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = _kind(type(value))
+            if kind == 0:
+                continue
+            for item in value if kind == 2 else (value,):
+                item_type = type(item)
+                inside = descend.get(item_type)
+                if inside is None:
+                    inside = descend[item_type] = _kind(item_type) == 1 and not _skipped(item_type, _OPAQUE)
+                if inside:
                     visit(item)
         if type(current) is call_type:
             out.append(current)
@@ -160,6 +173,8 @@ def _calls_in_order(node: cst.CSTNode) -> list[cst.Call]:
 
 
 _OPAQUE = (cst.Lambda, cst.FunctionDef, cst.ClassDef)
+# Whether `_calls_in_order` descends into a value of this exact type: a node, not an opaque one.
+_DESCEND: dict[type, bool] = {}
 
 
 _CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = {}
