@@ -42,6 +42,8 @@ class DeviceIndex:
 def device_indices(ctx) -> Iterator[DeviceIndex]:
     """Every expression used as a CUDA device index on the code path, in trace order."""
     strings = _mentions_cuda_colon(ctx)
+    if not strings and not _may_index(ctx):
+        return  # no call below can select a device: no trace needs building to say so
     for trace in ctx.traces:
         for step, call in trace.calls():
             yield from _indices_of_call(ctx, trace, step, call)
@@ -50,6 +52,16 @@ def device_indices(ctx) -> Iterator[DeviceIndex]:
         for step in trace.steps:
             for string, index in _cuda_strings(step.node):
                 yield DeviceIndex(trace, step, string, index, "string")
+
+
+def _may_index(ctx) -> bool:
+    """Whether the file makes any call `_indices_of_call` can read a device index from."""
+    if not ctx.called_qualnames.isdisjoint(_INDEXING_CALLS):
+        return True
+    return ctx.may_call_method("to") or ctx.may_call_method("cuda")
+
+
+_INDEXING_CALLS = frozenset({SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT, TORCH_DEVICE, DDP, INIT_PROCESS_GROUP})
 
 
 def _mentions_cuda_colon(ctx) -> bool:
