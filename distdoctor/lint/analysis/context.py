@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
@@ -61,6 +61,15 @@ HOROVOD_COLLECTIVES = frozenset(
     }
 )
 NO_GRAD_CONTEXTS = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad"})
+
+
+class _CallNames(NamedTuple):
+    """Every call of a file by qualified name, by method name (`x.m(...)`) and by the last name of
+    its callee (`f(...)`, `a.b.f(...)`)."""
+
+    quals: frozenset[str]
+    methods: frozenset[str]
+    callees: frozenset[str]
 
 
 class LintContext:
@@ -136,25 +145,25 @@ class LintContext:
     # "no such call" without building the traces. On files that merely use torch.distributed
     # most rules stop there.
     @cached_property
-    def _call_names(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    def _call_names(self) -> _CallNames:
         quals: set[str] = set()
         methods: set[str] = set()
-        last_parts: set[str] = set()
+        callees: set[str] = set()
         for call in self.nodes(cst.Call):
             func = call.func
             if type(func) is cst.Attribute:
                 methods.add(func.attr.value)
-                last_parts.add(func.attr.value)
+                callees.add(func.attr.value)
             elif type(func) is cst.Name:
-                last_parts.add(func.value)
+                callees.add(func.value)
             qual = self.qualname(func)
             if qual is not None:
                 quals.add(qual)
-        return frozenset(quals), frozenset(methods), frozenset(last_parts)
+        return _CallNames(frozenset(quals), frozenset(methods), frozenset(callees))
 
     def may_call(self, *qualnames: str, suffix: str | None = None) -> bool:
         """Whether the file calls one of `qualnames` (or a name ending with `.suffix`) anywhere."""
-        quals = self._call_names[0]
+        quals = self._call_names.quals
         if not quals.isdisjoint(qualnames):
             return True
         return suffix is not None and any(qual.endswith("." + suffix) for qual in quals)
@@ -162,15 +171,15 @@ class LintContext:
     @property
     def called_qualnames(self) -> frozenset[str]:
         """The qualified name of every call in the file (see `may_call`)."""
-        return self._call_names[0]
+        return self._call_names.quals
 
     def may_call_method(self, method: str) -> bool:
         """Whether `<something>.method(...)` is called anywhere in the file."""
-        return method in self._call_names[1]
+        return method in self._call_names.methods
 
     def may_call_named(self, names: Iterable[str]) -> bool:
         """Whether a call's callee ends with one of `names` (`f(...)`, `a.b.f(...)`) anywhere."""
-        return not self._call_names[2].isdisjoint(names)
+        return not self._call_names.callees.isdisjoint(names)
 
     @cached_property
     def _method_calls(self) -> dict[str, list[tuple[Trace, Step, cst.Call]]]:
@@ -193,7 +202,7 @@ class LintContext:
         if self.imports.imports_any(["torch.distributed", "torch.nn.parallel", "torch.utils.data.DistributedSampler", "torch.utils.data.distributed"]):
             return True
         ends = ("init_process_group", "DistributedDataParallel")
-        if not any(name.endswith(ends) for name in self._call_names[2]):
+        if not any(name.endswith(ends) for name in self._call_names.callees):
             return False
         return any((dotted(call.func) or "").endswith(ends) for _, call in self._all_calls)
 

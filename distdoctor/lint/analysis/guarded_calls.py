@@ -211,7 +211,7 @@ def _gradient_reducer(ctx: LintContext, call: cst.Call) -> str | None:
     if name is None or name in ctx.info.functions:
         return None  # a function of this module is inlined: its collectives are seen directly
     last = name.rsplit(".", 1)[-1]
-    return last if _GRADIENT_REDUCER.match(last.lower()) else None
+    return last if is_gradient_reducer_name(last) else None
 
 
 def _checked_value(test: cst.BaseExpression) -> str | None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
 
@@ -73,7 +73,6 @@ PARALLELIZE = frozenset(
         "torch.distributed.tensor.parallel.api.parallelize_module",
     }
 )
-SHARDING_WORDS = ("fully_shard", "FullyShardedDataParallel", "parallelize_module")
 LOW_PRECISION = frozenset({"torch.float16", "torch.half", "torch.bfloat16"})
 FLOAT16 = frozenset({"torch.float16", "torch.half"})
 
@@ -117,7 +116,7 @@ class Sharding:
         self.ctx = ctx
         self.events: list[ShardEvent] = []
         # The APIs' names must appear in the text (imports, aliases): most files skip the walk.
-        if not any(word in ctx.source for word in SHARDING_WORDS):
+        if not any(word in ctx.source for word in frameworks.SHARDING_WORDS):
             return
         for trace, step, call in ctx.calls(*FULLY_SHARD, *FSDP_CLASS, *PARALLELIZE):
             kind = shard_kind(ctx.qualname(call.func))

@@ -155,10 +155,9 @@ class _Builder:
         self.inlined: set[int] = set()  # id() of function defs entered
         self.test_results: dict[int, dict[int, Value | None]] = {}  # id(if) -> its test's call results
         self.spent = [0]  # steps of the file's earlier traces, shared by its builders
-        # The most `len(steps) + len(body)` any budget check of this builder has met: a run whose
-        # checks all passed runs alike again as long as `spent` stays below the budget minus it.
+        # The most `len(steps) + len(body)` any budget check of this builder has met: its checks
+        # all passed, and pass again, while `spent + peak` stays within the budget.
         self.peak = 0
-        self.over_budget = False
 
     # statements ------------------------------------------------------------------------------
     def run_block(
@@ -352,7 +351,6 @@ class _Builder:
             needed = len(self.steps) + len(function.body.body)
             self.peak = max(self.peak, needed)
             if self.spent[0] + needed > MAX_INLINED_STEPS:
-                self.over_budget = True
                 return self_value  # over budget: the call stays opaque, as one too deep does
         self.inlined.add(id(function))
         frame = Frame(function, cls, caller, call, next(self.frame_ids))
@@ -505,7 +503,7 @@ def build_traces(ctx: ModuleInfo) -> list[Trace]:
                     root.inlined |= inlined
                 else:
                     root.enter(init, cls, instance, cst.Call(func=cst.Name("__init__")), frame, (), (), {}, True)
-                    if not root.over_budget:
+                    if builder.spent[0] + root.peak <= MAX_INLINED_STEPS:  # no call was cut short
                         inits[id(init)] = (list(root.steps), root.env.copy(), set(root.inlined), root.peak)
             fake_call = cst.Call(func=cst.Name(function.name.value))
             root.enter(function, cls, instance, fake_call, frame, (), (), {}, True)
