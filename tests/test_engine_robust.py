@@ -49,7 +49,7 @@ def test_brackets_deeper_than_python_allows_are_dd000_before_parsing():
     assert codes(result) == ["DD000"]
     assert "too many nested brackets (2000 levels" in result.findings[0].message
     assert result.findings[0].line == 3  # where the nesting goes too deep
-    deep_list = lint_text(DIST + "x = " + "[" * 600 + "]" * 600 + "\n")
+    deep_list = lint_text(DIST + "x = " + "[" * 600 + "]" * 600 + "\n" + HARDCODED)
     assert codes(deep_list) == ["DD000"] and "600 levels" in deep_list.findings[0].message
 
 
@@ -65,9 +65,33 @@ def test_deep_but_valid_expressions_are_analysed():
 
 
 def test_expression_too_deep_for_the_parser_is_dd000_with_the_reason():
-    result = lint_text(DIST + "x = a" + "[0]" * 900 + "\n")
+    # CPython reads it; libcst's parser, which a rule needs here, must not see it.
+    result = lint_text(DIST + "x = a" + "[0]" * 900 + "\n" + HARDCODED)
     assert codes(result) == ["DD000"]
     assert "nested too deeply" in result.findings[0].message
+
+
+def test_deep_file_no_rule_reads_gets_cpythons_verdict():
+    # No rule can fire here, so libcst's tree is never needed: CPython alone judges the syntax.
+    assert codes(lint_text(DIST + "x = a" + "[0]" * 900 + "\n")) == []
+    deep_list = lint_text(DIST + "x = " + "[" * 600 + "]" * 600 + "\n")
+    assert codes(deep_list) == ["DD000"]
+    assert "too many nested parentheses" in deep_list.findings[0].message
+    assert (deep_list.findings[0].line, deep_list.findings[0].column) == (2, 205)
+
+
+def test_libcst_tree_is_parsed_only_when_a_rule_needs_it(monkeypatch):
+    import libcst
+
+    parsed: list[str] = []
+    real = libcst.parse_module
+    monkeypatch.setattr(libcst, "parse_module", lambda source, *a, **k: parsed.append(source) or real(source, *a, **k))
+    # DD002's words are here (a rank), but the file makes no call a device index is read from,
+    # and no collective: every rule stops at the index of CPython's tree.
+    quiet = DIST + "rank = dist.get_rank()\nprint(rank)\n"
+    assert codes(lint_text(quiet)) == [] and parsed == []
+    # DD001 must read the init call's arguments: the concrete tree is built, once.
+    assert codes(lint_text(DIST + HARDCODED)) == ["DD001"] and len(parsed) == 1
 
 
 def test_too_large_file_is_dd000(monkeypatch):
@@ -349,7 +373,8 @@ def test_a_dying_worker_is_replaced_and_its_file_named():
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_promptly_without_traceback(tmp_path):
-    body = DIST + "".join(f"def f{i}(x):\n    return dist.get_rank() + x * {i}\n" for i in range(3000))
+    # A collective in each function: DD301 must build the traces of every file (seconds each).
+    body = DIST + "".join(f"def f{i}(x):\n    dist.all_reduce(x)\n    return dist.get_rank() + x * {i}\n" for i in range(3000))
     for i in range(40):
         (tmp_path / f"f{i:02}.py").write_text(body + f"# {i}\n")
     process = subprocess.Popen(
@@ -453,3 +478,93 @@ def test_only_the_rules_whose_gate_passes_run(monkeypatch):
     # Horovod started: the rules that need only Horovod, a started job or an initialisation run;
     # not those that need a sampler, a save, a collective, a rank or a sharded model.
     assert sorted(ran) == ["DD003", "DD304", "DD401", "DD402", "DD403", "DD405", "DD406", "DD409", "DD410"]
+
+
+# --------------------------------------------------------------------------------------------
+# The index of imports and calls, from CPython's tree or libcst's
+
+
+def _sources() -> list[tuple[str, str]]:
+    found = [(f"{rule.code} example", example.source) for rule in all_rules() for example in (*rule.invalid, *rule.valid)]
+    found += [(str(path), path.read_text(encoding="utf-8")) for path in sorted((ROOT / "fixtures" / "lint").rglob("*.py"))]
+    return found
+
+
+def test_the_index_is_the_same_from_either_tree():
+    # Rules answer "no such call" from the index; the engine builds it from CPython's tree and,
+    # for syntax CPython cannot read, from libcst's. Both must say the same of every file.
+    import ast
+
+    import libcst
+
+    from distdoctor.lint.analysis.context import LintContext
+    from distdoctor.lint.analysis.index import FileIndex
+
+    for where, source in _sources():
+        module = libcst.parse_module(source)
+        from_ast = FileIndex.of_ast(ast.parse(source))
+        from_cst = LintContext(where, source, module).index
+        assert from_ast._replace(cuda_strings=False) == from_cst._replace(cuda_strings=False), where
+        # libcst's test reads f-string text unescaped: CPython's may only find more.
+        assert from_ast.cuda_strings >= from_cst.cuda_strings, where
+
+
+@pytest.mark.parametrize(
+    ("source", "aliases"),
+    [
+        # An alias assigned in two branches keeps the one libcst's walk sees first: the `else`.
+        (
+            "import torch\nimport apex\nif x:\n    DDP = torch.nn.parallel.DistributedDataParallel\n"
+            "else:\n    DDP = apex.parallel.DistributedDataParallel\n",
+            {"torch": "torch", "apex": "apex", "DDP": "apex.parallel.DistributedDataParallel"},
+        ),
+        # `finally` before the handlers, the handlers before the body.
+        (
+            "import a\ntry:\n    X = a.body\nexcept E:\n    X = a.handler\nfinally:\n    X = a.final\n",
+            {"a": "a", "X": "a.final"},
+        ),
+        ("import torch.distributed as dist\nfrom . import dist as other\nfrom m import *\n", {"dist": "torch.distributed"}),
+        ("import torch\ndef torch():\n    pass\n", {}),
+        ("async def f():\n    import torch.distributed as dist\n    async with x:\n        from os import environ\n", {"dist": "torch.distributed", "environ": "os.environ"}),
+    ],
+)
+def test_import_tables_agree(source, aliases):
+    import ast
+
+    import libcst
+
+    from distdoctor.lint.analysis.names import ImportTable
+
+    assert ImportTable.of_ast(ast.parse(source)).aliases == aliases
+    assert ImportTable.of(libcst.parse_module(source)).aliases == aliases
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="needs syntax newer than the running Python")
+def test_syntax_newer_than_python_is_read_through_libcst():
+    # PEP 695 (Python 3.12): CPython 3.10/3.11 cannot parse it, libcst can; the rules still run.
+    result = lint_text(DIST + "def first[T](items: list[T]) -> T:\n    return items[0]\n" + HARDCODED)
+    assert codes(result) == ["DD001"]
+
+
+def test_a_concrete_tree_that_cannot_be_built_makes_the_file_dd000(monkeypatch):
+    # CPython reads the file, libcst does not (syntax it does not know yet): when a rule asks for
+    # the tree, the whole file is DD000 (no rule's finding half-made), and says why.
+    import libcst
+
+    def refuse(source, *args, **kwargs):
+        raise libcst.ParserSyntaxError("unexpected token", lines=source.splitlines(), raw_line=2, raw_column=0)
+
+    monkeypatch.setattr(libcst, "parse_module", refuse)
+    result = lint_text(DIST + HARDCODED)
+    assert codes(result) == ["DD000"]
+    assert "distdoctor's parser cannot read this syntax" in result.findings[0].message
+
+
+def test_the_unvalidated_parse_builds_the_same_tree_and_leaves_validation_on():
+    import libcst
+
+    for where, source in _sources()[::7]:
+        assert engine.parse_unvalidated(source).deep_equals(libcst.parse_module(source)), where
+    # Outside the parse, nodes built by hand are checked as before.
+    with pytest.raises(libcst.CSTValidationError):
+        libcst.Name("not a name")

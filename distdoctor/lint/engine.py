@@ -6,6 +6,7 @@ Public API: `lint(paths, config) -> LintResult`, `lint_source(source, path, rule
 
 from __future__ import annotations
 
+import ast
 import codecs
 import difflib
 import hashlib
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,84 +100,157 @@ def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
 
 
 def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
-    relevant = PREFILTER.search(source) is not None
-    python_error: Exception | None = None
-    if not relevant:
-        # No rule can fire, but a file that does not parse is still reported. CPython's compiler
-        # is fast and safe on any input (it has its own depth limits); libcst confirms a failure,
-        # as it reads syntax newer than the running Python.
+    if PREFILTER.search(source) is not None:
+        large = guard.too_large(source)
+        if large is not None:
+            return FileResult(path, (_dd000(path, large, 1, 1),))
+        words = code_words(source)
+        rules = [rule for rule in rules if rule.applies(words)] if not CODE_NAMES.isdisjoint(words) else []
+    else:
+        rules = []
+    if not rules:
+        # No rule can fire (no distributed word, the words were in comments or docstrings, or the
+        # file lacks what each selected rule needs: a DistributedDataParallel, a collective, a
+        # save...), but a file that does not parse is still reported. CPython's compiler is fast
+        # and safe on any input (it has its own depth limits).
         if len(source) > guard.MAX_CHECK_BYTES:
             return FileResult(path, ())
         python_error = _python_syntax_error(source)
         if python_error is None:
             _, unused = _suppress([], source, path)  # every suppression here is unused
             return FileResult(path, (), unused)
+        return _unparsable(path, source, python_error)
+    if not AST_PARSER_IS_SAFE:
+        refused = guard.too_deep(source)
+        if refused is not None:
+            return FileResult(path, (_dd000(path, *refused, 1),))
+    tree, python_error = _python_tree(source)
+    if tree is None:
+        return _unparsable(path, source, python_error, rules)
+    return _lint_module(path, source, rules, tree=tree)
+
+
+# CPython >= 3.11 raises RecursionError when it builds `ast` objects from too deep an input;
+# 3.10 overflows its stack (`"1+" * 1_000_000` kills the process), so there the text is
+# checked by the guard first. `compile()` is safe on both.
+AST_PARSER_IS_SAFE = sys.version_info >= (3, 11)
+
+
+def _python_tree(source: str) -> tuple[ast.Module | None, Exception | None]:
+    """CPython's syntax tree of `source`, or the exception it raised instead."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences and the like: not ours to say
+            return ast.parse(source), None
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
+        return None, exc
+
+
+def _unparsable(path: str, source: str, python_error: Exception | None, rules: Sequence[Rule] = ()) -> FileResult:
+    """A file CPython cannot parse: DD000, unless libcst reads it (syntax newer than the running
+    Python), in which case `rules` check it."""
     refused = guard.too_deep_or_large(source)
     if refused is not None:
-        if python_error is not None:
+        if python_error is not None and not rules:
             return FileResult(path, (_syntax_finding(path, source, python_error, python_error),))
-        reason, line = refused
-        return FileResult(path, (_dd000(path, reason, line, 1),))
-    if relevant:
-        words = code_words(source)
-        rules = [rule for rule in rules if rule.applies(words)] if not CODE_NAMES.isdisjoint(words) else []
-        if not rules:
-            # The words were in comments or docstrings, or the file lacks what each selected rule
-            # needs (a DistributedDataParallel, a collective, a save...): no rule can fire, and
-            # only a file CPython cannot compile needs the concrete syntax tree (for DD000).
-            relevant = False
-            python_error = _python_syntax_error(source)
-            if python_error is None:
-                _, unused = _suppress([], source, path)
-                return FileResult(path, (), unused)
-    import libcst as cst
-
-    from distdoctor.lint.analysis import syntax
-
+        return FileResult(path, (_dd000(path, *refused, 1),))
     try:
-        module = cst.parse_module(source)
+        module = parse_unvalidated(source)
     except Exception as exc:  # ParserSyntaxError, or whatever else libcst raises on odd input
         return FileResult(path, (_syntax_finding(path, source, exc, python_error),))
-    if not relevant:
+    if not rules:
         return FileResult(path, ())
+    return _lint_module(path, source, rules, module=module)
+
+
+class _NotAnalysable(Exception):
+    """libcst's tree, asked for by a rule, cannot be built: the file's one finding is DD000."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(finding.message)
+        self.finding = finding
+
+
+def _concrete_tree(path: str) -> Callable[[str], cst.Module]:
+    """How a file CPython parsed gets libcst's tree when a rule first asks for it: checked by the
+    guard first (the parser must never see what can crash it), else DD000 for the whole file."""
+
+    def parse(source: str) -> cst.Module:
+        refused = guard.too_deep(source) if AST_PARSER_IS_SAFE else None
+        if refused is not None:
+            raise _NotAnalysable(_dd000(path, *refused, 1))
+        try:
+            return parse_unvalidated(source)
+        except Exception as exc:  # syntax CPython reads and libcst does not
+            raise _NotAnalysable(_syntax_finding(path, source, exc)) from None
+
+    return parse
+
+
+def parse_unvalidated(source: str) -> cst.Module:
+    """libcst's tree of `source`, built without the checks each node's constructor makes.
+
+    Those checks (`CSTNode._validate`, run by `__post_init__`) are for trees that code builds
+    by hand; a parsed tree is valid by construction, and libcst notes that validation belongs out
+    of parsing. Skipping them makes the parse about a fifth cheaper. Nodes built at any other
+    time (fixes, `with_changes`) are checked as always: the constructor is restored at once."""
+    import libcst as cst
+    from libcst._nodes.base import CSTNode
+
+    checked = CSTNode.__dict__.get("__post_init__")
+    if checked is None:  # a libcst whose nodes validate elsewhere: parse as it does
+        return cst.parse_module(source)
+    CSTNode.__post_init__ = _no_checks  # type: ignore[method-assign]
     try:
-        return _lint_module(path, source, module, rules)
+        return cst.parse_module(source)
     finally:
-        syntax.forget_calls()
+        CSTNode.__post_init__ = checked  # type: ignore[method-assign]
 
 
-def _lint_module(path: str, source: str, module: cst.Module, rules: Sequence[Rule]) -> FileResult:
+def _no_checks(self: object) -> None:
+    return None
+
+
+def _lint_module(
+    path: str, source: str, rules: Sequence[Rule], *, module: cst.Module | None = None, tree: ast.Module | None = None
+) -> FileResult:
+    from distdoctor.lint.analysis import syntax
     from distdoctor.lint.analysis.context import LintContext
 
-    ctx = LintContext(path, source, module)
+    ctx = LintContext(path, source, module, tree=tree, parse=_concrete_tree(path))
     raw: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
-    for rule in rules:
-        try:
-            reports = list(rule.check(ctx))
-            located = [(report, ctx.position(report.node)) for report in reports]
-        except Exception as exc:  # one rule's defect must not hide the file or the other rules
-            raw.append(_internal_finding(path, rule.code, exc))
-            continue
-        for report, pos in located:
-            key = (rule.code, pos.start.line, pos.start.column)
-            if key in seen:
+    try:
+        for rule in rules:
+            try:
+                reports = list(rule.check(ctx))
+                located = [(report, ctx.position(report.node)) for report in reports]
+            except _NotAnalysable as refused:
+                return FileResult(path, (refused.finding,))
+            except Exception as exc:  # one rule's defect must not hide the file or the other rules
+                raw.append(_internal_finding(path, rule.code, exc))
                 continue
-            seen.add(key)
-            raw.append(
-                Finding(
-                    code=rule.code,
-                    name=rule.name,
-                    severity=rule.severity,
-                    message=report.message,
-                    path=path,
-                    line=pos.start.line,
-                    column=pos.start.column + 1,
-                    end_line=pos.end.line,
-                    end_column=pos.end.column + 1,
-                    fix=report.fix,
+            for report, pos in located:
+                key = (rule.code, pos.start.line, pos.start.column)
+                if key in seen:
+                    continue
+                seen.add(key)
+                raw.append(
+                    Finding(
+                        code=rule.code,
+                        name=rule.name,
+                        severity=rule.severity,
+                        message=report.message,
+                        path=path,
+                        line=pos.start.line,
+                        column=pos.start.column + 1,
+                        end_line=pos.end.line,
+                        end_column=pos.end.column + 1,
+                        fix=report.fix,
+                    )
                 )
-            )
+    finally:
+        syntax.forget_calls()
     kept, unused = _suppress(raw, source, path)
     return FileResult(path, tuple(sorted(kept, key=lambda f: f.sort_key)), unused)
 

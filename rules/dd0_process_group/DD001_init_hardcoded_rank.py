@@ -238,6 +238,8 @@ class InitHardcodedRank(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if not ctx.may_call(INIT):
+            return  # said from the index: whether it spawns its own workers is not needed
         spawns = _starts_processes(ctx)
         reported: set[int] = set()
         for trace, step, call in ctx.calls(INIT):

@@ -6,10 +6,11 @@ name resolution, statement order or rank guards on their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import ast
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
@@ -19,6 +20,7 @@ from distdoctor.lint.finding import Edit
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
 from distdoctor.lint.analysis.kinds import Value
+from distdoctor.lint.analysis.index import FileIndex
 from distdoctor.lint.analysis.names import ImportTable, dotted
 
 
@@ -63,27 +65,59 @@ HOROVOD_COLLECTIVES = frozenset(
 NO_GRAD_CONTEXTS = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad"})
 
 
-class _CallNames(NamedTuple):
-    """Every call of a file by qualified name, by method name (`x.m(...)`) and by the last name of
-    its callee (`f(...)`, `a.b.f(...)`)."""
-
-    quals: frozenset[str]
-    methods: frozenset[str]
-    callees: frozenset[str]
+def is_collective(qual: str) -> bool:
+    """Whether the qualified name `qual` is a collective every rank must join."""
+    head, _, last = qual.rpartition(".")
+    if head.startswith("torch.distributed") and last in TORCH_COLLECTIVES:
+        return True
+    return head.startswith("horovod") and last in HOROVOD_COLLECTIVES
 
 
 class LintContext:
     """The parsed file and everything derived from it."""
 
-    def __init__(self, path: str, source: str, module: cst.Module) -> None:
+    def __init__(
+        self,
+        path: str,
+        source: str,
+        module: cst.Module | None = None,
+        *,
+        tree: ast.Module | None = None,
+        parse: Callable[[str], cst.Module] = cst.parse_module,
+    ) -> None:
+        """`module`: libcst's tree of `source`, or None to parse it (with `parse`) when a rule
+        first asks for it. `tree`: CPython's tree of `source`, from which the imports and calls are
+        indexed (`index`) without libcst; it is dropped once read."""
         self.path = path
         self.source = source
-        self.module = module
+        self._tree = tree
+        self._parse = parse
+        if module is not None:
+            self.__dict__["module"] = module
 
     # --- structure ---------------------------------------------------------------------------
     @cached_property
+    def module(self) -> cst.Module:
+        """libcst's concrete tree, parsed on first use: a file whose rules all stop at the index
+        is never parsed by libcst."""
+        return self._parse(self.source)
+
+    @property
+    def parsed(self) -> bool:
+        """Whether libcst's tree was needed (and built)."""
+        return "module" in self.__dict__
+
+    @cached_property
+    def index(self) -> FileIndex:
+        """The file's imports and calls (see `analysis/index.py`), from CPython's tree if given."""
+        tree, self._tree = self._tree, None
+        if tree is not None:
+            return FileIndex.of_ast(tree)
+        return FileIndex.of_module(self.module, self._nodes_by_type)
+
+    @property
     def imports(self) -> ImportTable:
-        return ImportTable.of(self.module)
+        return self.index.imports
 
     @cached_property
     def info(self) -> ModuleInfo:
@@ -140,30 +174,13 @@ class LintContext:
             return iter(())
         return iter(self._method_calls.get(method, ()))
 
-    # Every call of the file, on a code path or not, by qualified name and by method name: a
-    # superset of the calls on the traces (a trace's calls are the file's own nodes), which answers
-    # "no such call" without building the traces. On files that merely use torch.distributed
+    # Every call of the file, on a code path or not (the index): a superset of the calls on the
+    # traces (a trace's calls are the file's own nodes), which answers "no such call" without
+    # building the traces, or parsing libcst's tree. On files that merely use torch.distributed
     # most rules stop there.
-    @cached_property
-    def _call_names(self) -> _CallNames:
-        quals: set[str] = set()
-        methods: set[str] = set()
-        callees: set[str] = set()
-        for call in self.nodes(cst.Call):
-            func = call.func
-            if type(func) is cst.Attribute:
-                methods.add(func.attr.value)
-                callees.add(func.attr.value)
-            elif type(func) is cst.Name:
-                callees.add(func.value)
-            qual = self.qualname(func)
-            if qual is not None:
-                quals.add(qual)
-        return _CallNames(frozenset(quals), frozenset(methods), frozenset(callees))
-
     def may_call(self, *qualnames: str, suffix: str | None = None) -> bool:
         """Whether the file calls one of `qualnames` (or a name ending with `.suffix`) anywhere."""
-        quals = self._call_names.quals
+        quals = self.index.quals
         if not quals.isdisjoint(qualnames):
             return True
         return suffix is not None and any(qual.endswith("." + suffix) for qual in quals)
@@ -171,15 +188,15 @@ class LintContext:
     @property
     def called_qualnames(self) -> frozenset[str]:
         """The qualified name of every call in the file (see `may_call`)."""
-        return self._call_names.quals
+        return self.index.quals
 
     def may_call_method(self, method: str) -> bool:
         """Whether `<something>.method(...)` is called anywhere in the file."""
-        return method in self._call_names.methods
+        return method in self.index.methods
 
     def may_call_named(self, names: Iterable[str]) -> bool:
         """Whether a call's callee ends with one of `names` (`f(...)`, `a.b.f(...)`) anywhere."""
-        return not self._call_names.callees.isdisjoint(names)
+        return not self.index.callees.isdisjoint(names)
 
     @cached_property
     def _method_calls(self) -> dict[str, list[tuple[Trace, Step, cst.Call]]]:
@@ -202,7 +219,7 @@ class LintContext:
         if self.imports.imports_any(["torch.distributed", "torch.nn.parallel", "torch.utils.data.DistributedSampler", "torch.utils.data.distributed"]):
             return True
         ends = ("init_process_group", "DistributedDataParallel")
-        if not any(name.endswith(ends) for name in self._call_names.callees):
+        if not any(name.endswith(ends) for name in self.index.callees):
             return False
         return any((dotted(call.func) or "").endswith(ends) for _, call in self._all_calls)
 
@@ -259,14 +276,11 @@ class LintContext:
         """`torch.distributed.barrier` / `horovod.torch.allreduce` if `call` is a collective that
         every rank must join (resolved through imports), else None."""
         qual = self.qualname(call.func)
-        if qual is None:
-            return None
-        head, _, last = qual.rpartition(".")
-        if head.startswith("torch.distributed") and last in TORCH_COLLECTIVES:
-            return qual
-        if head.startswith("horovod") and last in HOROVOD_COLLECTIVES:
-            return qual
-        return None
+        return qual if qual is not None and is_collective(qual) else None
+
+    def may_call_collective(self) -> bool:
+        """Whether the file calls a collective anywhere (answered from the index)."""
+        return any(is_collective(qual) for qual in self.index.quals)
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         return self._parents.get(id(node))

@@ -41,7 +41,7 @@ class DeviceIndex:
 
 def device_indices(ctx) -> Iterator[DeviceIndex]:
     """Every expression used as a CUDA device index on the code path, in trace order."""
-    strings = _mentions_cuda_colon(ctx)
+    strings = ctx.index.cuda_strings
     if not strings and not _may_index(ctx):
         return  # no call below can select a device: no trace needs building to say so
     for trace in ctx.traces:
@@ -64,18 +64,6 @@ def _may_index(ctx) -> bool:
 _INDEXING_CALLS = frozenset({SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT, TORCH_DEVICE, DDP, INIT_PROCESS_GROUP})
 
 
-def _mentions_cuda_colon(ctx) -> bool:
-    """Whether any string of the file contains `cuda:`: without one, no step holds a device string
-    (a cheap test on the shared node index before scanning every step)."""
-    for node in ctx.nodes(cst.FormattedStringText):
-        if "cuda:" in node.value:
-            return True
-    for node in ctx.nodes(cst.SimpleString):
-        if "cuda:" in (node.value if "\\" not in node.value else _string_value(node) or ""):
-            return True
-    return any("cuda:" in (_string_value(node) or "") for node in ctx.nodes(cst.ConcatenatedString))
-
-
 def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
     qual = ctx.qualname(call.func)
     if qual in (SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT):
@@ -86,7 +74,7 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
     if qual == TORCH_DEVICE:
         kind = syntax.argument(call, 0, "type")
         index = syntax.argument(call, 1, "index")
-        if index is not None and kind is not None and _string_value(kind) == "cuda":
+        if index is not None and kind is not None and syntax.string_value(kind) == "cuda":
             yield DeviceIndex(trace, step, call, index, "device")
         return
     if qual == DDP:
@@ -141,7 +129,7 @@ def _scan_cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.Bas
                 ):
                     yield inner, after.expression
         elif isinstance(inner, cst.BinaryOperation):
-            text = _string_value(inner.left)
+            text = syntax.string_value(inner.left)
             if text is None:
                 continue
             if isinstance(inner.operator, cst.Modulo) and text.startswith("cuda:%"):
@@ -157,7 +145,7 @@ def _scan_cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.Bas
         elif isinstance(inner, cst.Call):
             func = inner.func
             if isinstance(func, cst.Attribute) and func.attr.value == "format" and inner.args:
-                text = _string_value(func.value)
+                text = syntax.string_value(func.value)
                 if text is not None and text.startswith("cuda:{"):
                     yield inner, inner.args[0].value
 
@@ -185,7 +173,7 @@ def current_device_uses(ctx) -> Iterator[tuple[Trace, Step, cst.Call, str]]:
 
 
 def _means_current_cuda(ctx, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0) -> bool:
-    if _string_value(expr) == "cuda":
+    if syntax.string_value(expr) == "cuda":
         return True
     if isinstance(expr, cst.IfExp):  # "cuda" if torch.cuda.is_available() else "cpu"
         return _means_current_cuda(ctx, trace, step, expr.body, depth + 1)
@@ -243,7 +231,7 @@ def _current_device_names(ctx) -> set[str]:
 
 
 def _plain_device(ctx, expr: cst.BaseExpression) -> bool:
-    if _string_value(expr) in ("cuda", "cpu") or _plain_device_choice(expr):
+    if syntax.string_value(expr) in ("cuda", "cpu") or _plain_device_choice(expr):
         return True
     if isinstance(expr, cst.Call) and ctx.qualname(expr.func) == TORCH_DEVICE and len(expr.args) == 1:
         return _plain_device(ctx, expr.args[0].value)
@@ -270,7 +258,7 @@ class _ExplicitDeviceFinder:
             kind = syntax.argument(call, 0, "type")
             if syntax.argument(call, 1, "index") is not None:
                 self.found = True
-            elif kind is not None and not _plain_device(self.ctx, kind) and _string_value(kind) != "cuda":
+            elif kind is not None and not _plain_device(self.ctx, kind) and syntax.string_value(kind) != "cuda":
                 self.found = True  # "cuda:1", or a variable that may well hold "cuda:N"
         elif qual == "" and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("cuda", "to"):
             arg = syntax.argument(call, 0, "device")
@@ -278,7 +266,7 @@ class _ExplicitDeviceFinder:
                 return
             if (dotted(arg) or "") in self.plain_names or _is_literal(arg) and call.func.attr.value == "to":
                 return
-            if isinstance(arg, (cst.SimpleString, cst.ConcatenatedString)) and _string_value(arg) in (None, "cpu"):
+            if isinstance(arg, (cst.SimpleString, cst.ConcatenatedString)) and syntax.string_value(arg) in (None, "cpu"):
                 return
             self.found = True  # .cuda(gpu), .to(local_rank), .to("cuda:1"), .to(device)
 
@@ -287,7 +275,7 @@ class _ExplicitDeviceFinder:
             self.found = True
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
-        text = _string_value(node) or ""
+        text = syntax.string_value(node) or ""
         if text == "CUDA_VISIBLE_DEVICES" or text.startswith("cuda:"):
             self.found = True
 
@@ -296,19 +284,9 @@ def _plain_device_choice(node: cst.CSTNode) -> bool:
     """`"cuda" if torch.cuda.is_available() else "cpu"`: no index either way."""
     return (
         isinstance(node, cst.IfExp)
-        and _string_value(node.body) in ("cuda", "cpu")
-        and _string_value(node.orelse) in ("cuda", "cpu")
+        and syntax.string_value(node.body) in ("cuda", "cpu")
+        and syntax.string_value(node.orelse) in ("cuda", "cpu")
     )
-
-
-def _string_value(node: cst.CSTNode) -> str | None:
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    if isinstance(node, cst.ConcatenatedString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
 
 
 def _is_string(node: cst.CSTNode) -> bool:

@@ -38,9 +38,11 @@ def may_join(ctx: LintContext) -> bool:
     sharding constructor (a DDP or sharded model's forward and backward are collectives), or a
     project's gradient reducer. Without one, no event, value check or loop exit can be found, and
     the traces need not be built to say so."""
-    if ctx.may_call(frameworks.DDP, *FULLY_SHARD, *FSDP_CLASS, *PARALLELIZE):
+    if ctx.may_call(frameworks.DDP, *FULLY_SHARD, *FSDP_CLASS, *PARALLELIZE) or ctx.may_call_collective():
         return True
-    return any(ctx.collective_name(call) is not None or _gradient_reducer(ctx, call) is not None for call in ctx.nodes(cst.Call))
+    if not any(is_gradient_reducer_name(name) for name in ctx.index.callees):
+        return False  # no callee by a reducer's name: said from the index, without the tree
+    return any(_gradient_reducer(ctx, call) is not None for call in ctx.nodes(cst.Call))
 
 
 def events(ctx: LintContext, trace: Trace) -> list[Event]:

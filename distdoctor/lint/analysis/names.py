@@ -8,6 +8,8 @@ ambiguous and resolves to nothing, so a local class called `DDP` is never taken 
 
 from __future__ import annotations
 
+import ast
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -66,24 +68,63 @@ class ImportTable:
     def of(cls, module: cst.Module) -> ImportTable:
         collector = _ImportCollector()
         for node in _walk_statements(module):
-            handler = getattr(collector, "visit_" + type(node).__name__, None)
-            if handler is not None:
-                handler(node)
-        aliases = {
-            name: target for name, target in collector.imports.items() if name not in collector.shadowed
-        }
-        # `DDP = torch.nn.parallel.DistributedDataParallel` is an alias too.
-        for name, value in collector.assigned_aliases.items():
-            if name in aliases or name in collector.defined:
-                continue
-            head = value.split(".", 1)
-            if head[0] in aliases:
-                aliases[name] = aliases[head[0]] + ("." + head[1] if len(head) > 1 else "")
-        return cls(aliases)
+            kind = type(node)
+            if kind is cst.Import:
+                for alias in node.names:
+                    asname = alias.asname.name if alias.asname is not None else None
+                    collector.import_module(_module_name(alias.name), asname.value if type(asname) is cst.Name else None)
+            elif kind is cst.ImportFrom:
+                if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+                    continue
+                module_name = _module_name(node.module)
+                for alias in node.names:
+                    asname = alias.asname.name if alias.asname is not None else None
+                    collector.import_from(module_name, _module_name(alias.name), asname.value if type(asname) is cst.Name else None)
+            elif kind is cst.ClassDef or kind is cst.FunctionDef:
+                collector.define(node.name.value)
+            elif kind is cst.Assign:
+                for target in node.targets:
+                    if type(target.target) is cst.Name:
+                        collector.assign(target.target.value, dotted(node.value))
+        return collector.table()
+
+    @classmethod
+    def of_ast(cls, tree: ast.Module) -> ImportTable:
+        """The same table from CPython's syntax tree, visiting the statements in the order
+        `_walk_statements` visits libcst's (an alias assigned twice keeps the first one seen)."""
+        collector = _ImportCollector()
+        stack: list[ast.AST] = [tree]
+        while stack:
+            node = stack.pop()
+            kind = type(node)
+            if kind is ast.Import:
+                for alias in node.names:
+                    collector.import_module(alias.name, alias.asname)
+            elif kind is ast.ImportFrom:
+                if node.level or node.module is None or node.names[0].name == "*":
+                    continue
+                for alias in node.names:
+                    collector.import_from(node.module, alias.name, alias.asname)
+            elif kind is ast.Assign:
+                value = _ast_dotted(node.value)
+                for target in node.targets:
+                    if type(target) is ast.Name:
+                        collector.assign(target.id, value)
+            else:
+                if kind is ast.ClassDef or kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
+                    collector.define(node.name)
+                # libcst's walk pushes a compound statement's blocks in field order and pops the
+                # last first (`else` before the body, `finally` before the handlers).
+                for field in _AST_BLOCKS.get(kind, ()):
+                    stack.extend(reversed(getattr(node, field)))
+        return collector.table()
 
     def qualname(self, node: cst.CSTNode) -> str | None:
         """The canonical qualified name of a Name/Attribute chain rooted at an import, else None."""
-        text = dotted(node)
+        return self.resolve(dotted(node))
+
+    def resolve(self, text: str | None) -> str | None:
+        """The canonical qualified name of the dotted name `text` (`dist.barrier`), else None."""
         if text is None:
             return None
         head, _, rest = text.partition(".")
@@ -94,6 +135,37 @@ class ImportTable:
 
     def imports_any(self, prefixes: Iterable[str]) -> bool:
         return any(t == p or t.startswith(p + ".") for t in self.aliases.values() for p in prefixes)
+
+
+def _ast_dotted(node: ast.AST) -> str | None:
+    """`dotted` for CPython's syntax tree."""
+    if type(node) is ast.Name:
+        return node.id
+    if type(node) is ast.Attribute:
+        head = _ast_dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+# The statement blocks of each compound statement of CPython's tree, in libcst's field order.
+_AST_BLOCKS: dict[type, tuple[str, ...]] = {
+    ast.Module: ("body",),
+    ast.FunctionDef: ("body",),
+    ast.AsyncFunctionDef: ("body",),
+    ast.ClassDef: ("body",),
+    ast.If: ("body", "orelse"),
+    ast.For: ("body", "orelse"),
+    ast.AsyncFor: ("body", "orelse"),
+    ast.While: ("body", "orelse"),
+    ast.With: ("body",),
+    ast.AsyncWith: ("body",),
+    ast.Try: ("body", "handlers", "orelse", "finalbody"),
+    ast.ExceptHandler: ("body",),
+    ast.Match: ("cases",),
+    ast.match_case: ("body",),
+}
+if sys.version_info >= (3, 11):
+    _AST_BLOCKS[ast.TryStar] = ("body", "handlers", "orelse", "finalbody")
 
 
 def _walk_statements(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -145,34 +217,25 @@ def _statement_kind(kind: type) -> int:
 
 
 class _ImportCollector:
+    """What the statements of a module bind, from either syntax tree: imports, definitions and
+    `NAME = a.b.c` aliases, reduced to the table by `table()`."""
+
     def __init__(self) -> None:
         self.imports: dict[str, str] = {}
         self.shadowed: set[str] = set()
         self.defined: set[str] = set()
         self.assigned_aliases: dict[str, str] = {}
 
-    def visit_Import(self, node: cst.Import) -> bool:
-        for alias in node.names:
-            full = _module_name(alias.name)
-            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-                self._bind(alias.asname.name.value, full)
-            else:
-                # `import torch.distributed` binds `torch`, through which the full path resolves.
-                root = full.split(".")[0]
-                self._bind(root, root)
-        return False
+    def import_module(self, full: str, asname: str | None) -> None:
+        if asname is not None:
+            self._bind(asname, full)
+        else:
+            # `import torch.distributed` binds `torch`, through which the full path resolves.
+            root = full.split(".")[0]
+            self._bind(root, root)
 
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
-        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
-            return False
-        module = _module_name(node.module)
-        for alias in node.names:
-            name = _module_name(alias.name)
-            local = name
-            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-                local = alias.asname.name.value
-            self._bind(local, f"{module}.{name}")
-        return False
+    def import_from(self, module: str, name: str, asname: str | None) -> None:
+        self._bind(asname if asname is not None else name, f"{module}.{name}")
 
     def _bind(self, local: str, target: str) -> None:
         previous = self.imports.get(local)
@@ -183,25 +246,25 @@ class _ImportCollector:
         if previous is None or len(target) < len(previous):
             self.imports[local] = target
 
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self._shadow(node.name.value)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self._shadow(node.name.value)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        for target in node.targets:
-            if isinstance(target.target, cst.Name):
-                name = target.target.value
-                value = dotted(node.value)
-                if value is not None and "." in value:
-                    self.assigned_aliases.setdefault(name, value)
-                elif name in self.imports:
-                    self.shadowed.add(name)
-
-    def _shadow(self, name: str) -> None:
+    def define(self, name: str) -> None:
+        """A `def` or `class` of that name: a name it shares with an import is ambiguous."""
         self.defined.add(name)
-        if name in self.imports:
+        self.shadowed.add(name)
+
+    def assign(self, name: str, value: str | None) -> None:
+        """`name = value` (`value` the dotted text of the right side, or None)."""
+        if value is not None and "." in value:
+            self.assigned_aliases.setdefault(name, value)
+        elif name in self.imports:
             self.shadowed.add(name)
-        else:
-            self.shadowed.add(name)
+
+    def table(self) -> ImportTable:
+        aliases = {name: target for name, target in self.imports.items() if name not in self.shadowed}
+        # `DDP = torch.nn.parallel.DistributedDataParallel` is an alias too.
+        for name, value in self.assigned_aliases.items():
+            if name in aliases or name in self.defined:
+                continue
+            head = value.split(".", 1)
+            if head[0] in aliases:
+                aliases[name] = aliases[head[0]] + ("." + head[1] if len(head) > 1 else "")
+        return ImportTable(aliases)

@@ -25,6 +25,14 @@ def const_value(node: cst.BaseExpression) -> tuple[bool, Any]:
     return False, None
 
 
+def string_value(node: cst.CSTNode) -> str | None:
+    """The text of a string literal (implicitly concatenated or not), else None (bytes too)."""
+    if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
 def keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
     """The expression passed as keyword `name`, if any."""
     for arg in call.args:
