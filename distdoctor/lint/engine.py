@@ -31,6 +31,7 @@ from distdoctor.lint.finding import Finding
 if TYPE_CHECKING:
     import libcst as cst
 
+    from distdoctor.lint.analysis.context import LintContext
     from distdoctor.lint.rule import Rule
 
 # libcst, the analysis and the rules are imported by the first file that needs them: importing
@@ -127,7 +128,12 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
     tree, python_error = _python_tree(source)
     if tree is None:
         return _unparsable(path, source, python_error, rules)
-    return _lint_module(path, source, rules, tree=tree)
+    from distdoctor.lint.analysis.context import LintContext
+
+    ctx = LintContext(path, source, tree=tree, parse=_concrete_tree(path))
+    del tree
+    ctx.index  # noqa: B018 -- read now: CPython's tree is freed before libcst's is built
+    return _lint_module(ctx, rules)
 
 
 # CPython >= 3.11 raises RecursionError when it builds `ast` objects from too deep an input;
@@ -160,7 +166,9 @@ def _unparsable(path: str, source: str, python_error: Exception | None, rules: S
         return FileResult(path, (_syntax_finding(path, source, exc, python_error),))
     if not rules:
         return FileResult(path, ())
-    return _lint_module(path, source, rules, module=module)
+    from distdoctor.lint.analysis.context import LintContext
+
+    return _lint_module(LintContext(path, source, module), rules)
 
 
 class _NotAnalysable(Exception):
@@ -211,13 +219,10 @@ def _no_checks(self: object) -> None:
     return None
 
 
-def _lint_module(
-    path: str, source: str, rules: Sequence[Rule], *, module: cst.Module | None = None, tree: ast.Module | None = None
-) -> FileResult:
+def _lint_module(ctx: LintContext, rules: Sequence[Rule]) -> FileResult:
     from distdoctor.lint.analysis import syntax
-    from distdoctor.lint.analysis.context import LintContext
 
-    ctx = LintContext(path, source, module, tree=tree, parse=_concrete_tree(path))
+    path = ctx.path
     raw: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
     try:
@@ -251,7 +256,7 @@ def _lint_module(
                 )
     finally:
         syntax.forget_calls()
-    kept, unused = _suppress(raw, source, path)
+    kept, unused = _suppress(raw, ctx.source, path)
     return FileResult(path, tuple(sorted(kept, key=lambda f: f.sort_key)), unused)
 
 
@@ -594,14 +599,14 @@ def _walk(folder: Path, config: Config) -> Iterator[Path]:
             if d not in SKIPPED_DIRS
             and not d.endswith(".egg-info")
             and not config.is_excluded(here / d)
-            and (here / d).resolve() not in ignored
+            and not (ignored and (here / d).resolve() in ignored)
         )
         for name in sorted(filenames):
             if not name.endswith((".py", ".ipynb")):
                 continue
             path = here / name
-            if config.is_excluded(path) or path.resolve() in ignored:
-                continue
+            if config.is_excluded(path) or (ignored and path.resolve() in ignored):
+                continue  # (resolving every path costs more than the walk: only inside a git tree)
             yield path
 
 
@@ -724,8 +729,8 @@ def lint(
             # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
-        key = _cache_key(source, codes)
-        cached = cache.get(key, shown)
+        key = _cache_key(source, codes) if cache.folder is not None else ""
+        cached = cache.get(key, shown) if key else None
         if cached is not None:
             results.append(cached)
         else:

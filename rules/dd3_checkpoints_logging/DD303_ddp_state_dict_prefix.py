@@ -367,11 +367,10 @@ class DDPStateDictPrefix(Rule):
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
         restored: list[kinds.Value] | None = None
-        saves = list(ctx.calls(SAVE))
-        if not saves or _strips_module_prefix(ctx.module):
-            return
-        unwrapped = _names_bound_to_module_attribute(ctx.module)
-        for trace, step, call in saves:
+        # What the whole file does with `module.` (strips the prefix, binds `x.module`) is read
+        # once a save of a DDP wrapper's state dict is found: most files that save have none.
+        unwrapped: set[str] | None = None
+        for trace, step, call in ctx.calls(SAVE):
             obj = syntax.argument(call, 0, "obj")
             if obj is None:
                 continue
@@ -382,11 +381,15 @@ class DDPStateDictPrefix(Rule):
                     and part.func.attr.value == "state_dict"
                 ):
                     continue
-                if dotted(part.func.value) in unwrapped:
-                    continue  # `g_module = generator.module` on the distributed path: the plain model
                 wrapper = trace.value(part.func.value, part_step)
                 if wrapper is None or wrapper.kind != kinds.DDP:
                     continue
+                if unwrapped is None:
+                    if _strips_module_prefix(ctx):
+                        return
+                    unwrapped = _names_bound_to_module_attribute(ctx)
+                if dotted(part.func.value) in unwrapped:
+                    continue  # `g_module = generator.module` on the distributed path: the plain model
                 if _other_branch(trace, part_step, wrapper):
                     continue  # `if ddp: wrap ... else: save(model.state_dict())`: never the wrapper
                 if restored is None:
@@ -455,10 +458,10 @@ def _from_torch_load(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseE
     return _from_torch_load(ctx, trace, source_step, source, depth + 1)
 
 
-def _strips_module_prefix(module: cst.Module) -> bool:
+def _strips_module_prefix(ctx: LintContext) -> bool:
     """Whether the file strips the `module.` prefix off state dict keys somewhere (where it loads a
     checkpoint): the `module.` keys are then expected and handled."""
-    for node in syntax.walk(module):
+    for node in ctx.nodes(cst.Call, cst.For, cst.DictComp):
         if isinstance(node, cst.Call):
             func = node.func
             name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
@@ -500,11 +503,11 @@ def _slices_off_seven(loop: cst.For | cst.DictComp) -> bool:
     return False
 
 
-def _names_bound_to_module_attribute(module: cst.Module) -> set[str]:
+def _names_bound_to_module_attribute(ctx: LintContext) -> set[str]:
     """Names assigned the plain module of a wrapper somewhere: `g_module = generator.module`."""
     found = set()
-    for node in syntax.walk(module):
-        if isinstance(node, cst.Assign) and isinstance(node.value, cst.Attribute) and node.value.attr.value == "module":
+    for node in ctx.nodes(cst.Assign):
+        if isinstance(node.value, cst.Attribute) and node.value.attr.value == "module":
             for target in node.targets:
                 name = dotted(target.target)
                 if name:

@@ -17,7 +17,7 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from distdoctor.lint.analysis import evaluate, frameworks, kinds, loops, syntax
 from distdoctor.lint.finding import Edit
-from distdoctor.lint.analysis.scope import Frame, ModuleInfo
+from distdoctor.lint.analysis.scope import Frame, ModuleInfo, is_spawn
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.index import FileIndex
@@ -121,7 +121,10 @@ class LintContext:
 
     @cached_property
     def info(self) -> ModuleInfo:
-        return ModuleInfo.of(self.module, self.imports, self.nodes(cst.Call))
+        # Only a spawn call can name a worker function: without one (the index says), the walk
+        # over every call of the tree is not needed.
+        spawns = any(is_spawn(qual) for qual in self.index.quals)
+        return ModuleInfo.of(self.module, self.imports, self.nodes(cst.Call) if spawns else ())
 
     @cached_property
     def traces(self) -> list[Trace]:

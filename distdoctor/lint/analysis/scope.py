@@ -102,14 +102,17 @@ class _SpawnFinder:
         self.info = info
 
     def visit_Call(self, node: cst.Call) -> None:
-        qual = self.info.qualname(node.func) or ""
-        name = qual.rsplit(".", 1)[-1]
-        if qual in ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes") or (
-            name == "spawn" and qual.startswith("torch")
-        ):
+        if is_spawn(self.info.qualname(node.func) or ""):
             target = spawned_function(node)
             if target is not None:
                 self.info.spawn_targets[target] = "spawn"
+
+
+def is_spawn(qual: str) -> bool:
+    """Whether a call of the qualified name `qual` starts worker processes (`mp.spawn`)."""
+    return qual in ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes") or (
+        qual.rsplit(".", 1)[-1] == "spawn" and qual.startswith("torch")
+    )
 
 
 def spawned_function(call: cst.Call) -> str | None:
