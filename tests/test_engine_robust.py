@@ -568,3 +568,18 @@ def test_the_unvalidated_parse_builds_the_same_tree_and_leaves_validation_on():
     # Outside the parse, nodes built by hand are checked as before.
     with pytest.raises(libcst.CSTValidationError):
         libcst.Name("not a name")
+
+
+def test_positions_are_libcsts_own():
+    # Findings are placed by PositionProvider's computation, run without MetadataWrapper's extra
+    # visit: every node's range must be the one the public API gives.
+    import libcst
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    from distdoctor.lint.analysis.context import LintContext
+
+    for where, source in _sources()[::5]:
+        module = libcst.parse_module(source)
+        ours = LintContext(where, source, module)._positions
+        public = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+        assert dict(ours) == dict(public), where

@@ -7,7 +7,7 @@ name resolution, statement order or rank guards on their own.
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -509,9 +509,16 @@ class LintContext:
 
     # --- positions and edits -----------------------------------------------------------------
     @cached_property
-    def _positions(self):
-        # Only files that report anything pay for positions.
-        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
+    def _positions(self) -> Mapping[cst.CSTNode, CodeRange]:
+        # Only files that report anything pay for positions. The provider's own computation, one
+        # position-recording codegen of the module: `MetadataWrapper.resolve` runs the same, plus
+        # a visit of the whole tree for batchable providers (none here) that cost as much again.
+        provider = PositionProvider()
+        try:
+            provider._gen_impl(self.module)
+        except AttributeError:  # a libcst whose providers work otherwise: the public way
+            return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
+        return provider._computed
 
     def position(self, node: cst.CSTNode) -> CodeRange:
         return self._positions[node]
