@@ -348,10 +348,5 @@ def _launcher_evidence(ctx: LintContext, call: cst.Call) -> bool:
 def _starts_processes(ctx: LintContext) -> bool:
     """Whether this script starts its own workers (mp.spawn, multiprocessing): then a
     device-count world size is the number of workers it starts, not the launcher's."""
-    if ctx.info.spawn_targets:
-        return True
-    for node in ctx.nodes(cst.Call):
-        qual = ctx.qualname(node.func) or ""
-        if qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")):
-            return True
-    return False
+    # (Every `mp.spawn` target ModuleInfo records is started by such a call.)
+    return any(qual in SPAWNERS or qual.endswith((".spawn", ".start_processes")) for qual in ctx.called_qualnames)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks
+from distdoctor.lint.analysis import frameworks, syntax
 
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import (
@@ -266,9 +266,9 @@ def _external_setup(ctx: LintContext) -> bool:
     """Whether a function from another module that sounds like distributed setup is called, or a
     method of a base class this file does not define (`super()._init_model(model)`): the device
     may well be selected there."""
+    if _calls_super_of_unseen_base(ctx):
+        return True
     for node in ctx.nodes(cst.Call):
-        if _super_of_unseen_base(ctx, node):
-            return True
         text = dotted(node.func)
         if text is None:
             continue
@@ -285,15 +285,25 @@ def _external_setup(ctx: LintContext) -> bool:
     return False
 
 
-def _super_of_unseen_base(ctx: LintContext, call: cst.Call) -> bool:
+def _calls_super_of_unseen_base(ctx: LintContext) -> bool:
     """`super().method(...)` inside a class with a base of the project that this file does not
-    define (torch's own bases, such as `nn.Module`, select no device)."""
-    func = call.func
-    if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call) and dotted(func.value.func) == "super"):
+    define (torch's own bases, such as `nn.Module`, select no device). Each class is searched
+    without the classes nested in it, which are searched as their own: the innermost class counts."""
+    if "super" not in ctx.index.callees:
         return False
-    cls = next((node for node in ctx.ancestors(call) if isinstance(node, cst.ClassDef)), None)
-    if cls is None:
-        return False
+    for cls in ctx.nodes(cst.ClassDef):
+        if not _has_unseen_base(ctx, cls):
+            continue
+        for node in syntax.walk(cls, skip=(cst.ClassDef,)):
+            if type(node) is not cst.Call:
+                continue
+            func = node.func
+            if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call) and dotted(func.value.func) == "super":
+                return True
+    return False
+
+
+def _has_unseen_base(ctx: LintContext, cls: cst.ClassDef) -> bool:
     for base in cls.bases:
         text = dotted(base.value)
         qual = ctx.qualname(base.value) or ""
