@@ -11,6 +11,7 @@ import codecs
 import difflib
 import gc
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -743,11 +744,15 @@ def lint(
             pending.append((shown, source, key))
 
     workers = jobs if jobs is not None else default_jobs()
-    needs_parse = [job for job in pending if PREFILTER.search(job[1])]
     # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
-    if workers > 1 and (len(needs_parse) >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
+    needs_parse = sum(1 for _ in itertools.islice((job for job in pending if PREFILTER.search(job[1])), PARALLEL_THRESHOLD))
+    if workers > 1 and (needs_parse >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
+        import multiprocessing
+
         from distdoctor.lint.workers import run_supervised  # multiprocessing: only when it is used
 
+        if needs_parse and multiprocessing.get_context().get_start_method() == "fork":
+            _rules(codes)  # imported once here, inherited by every forked worker
         fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
         # Only a file some rule can read needs the rules (and libcst) imported.
