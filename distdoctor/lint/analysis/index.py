@@ -20,7 +20,7 @@ from typing import NamedTuple
 import libcst as cst
 
 from distdoctor.lint.analysis import syntax
-from distdoctor.lint.analysis.names import ImportTable, _ast_dotted
+from distdoctor.lint.analysis.names import ImportTable, ast_dotted
 
 CUDA_COLON = "cuda:"
 
@@ -64,7 +64,7 @@ class FileIndex(NamedTuple):
                     callees.add(func.attr)
                 elif type(func) is ast.Name:
                     callees.add(func.id)
-                qual = resolve(_ast_dotted(func))
+                qual = resolve(ast_dotted(func))
                 if qual is not None:
                     quals.add(qual)
             elif kind is ast.Constant and not cuda_strings:

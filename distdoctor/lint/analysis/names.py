@@ -106,7 +106,7 @@ class ImportTable:
                 for alias in node.names:
                     collector.import_from(node.module, alias.name, alias.asname)
             elif kind is ast.Assign:
-                value = _ast_dotted(node.value)
+                value = ast_dotted(node.value)
                 for target in node.targets:
                     if type(target) is ast.Name:
                         collector.assign(target.id, value)
@@ -137,12 +137,12 @@ class ImportTable:
         return any(t == p or t.startswith(p + ".") for t in self.aliases.values() for p in prefixes)
 
 
-def _ast_dotted(node: ast.AST) -> str | None:
+def ast_dotted(node: ast.AST) -> str | None:
     """`dotted` for CPython's syntax tree."""
     if type(node) is ast.Name:
         return node.id
     if type(node) is ast.Attribute:
-        head = _ast_dotted(node.value)
+        head = ast_dotted(node.value)
         return None if head is None else f"{head}.{node.attr}"
     return None
 
