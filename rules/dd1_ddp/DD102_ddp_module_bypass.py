@@ -234,11 +234,13 @@ class DDPModuleBypass(Rule):
 def _discarded_wrappers(ctx: LintContext) -> Iterable[Report]:
     """`model = DistributedDataParallel(model, ...).module`: the wrapper is dropped the moment it is
     built, so no forward can ever go through it."""
-    for trace, step, call in ctx.calls(frameworks.DDP):
-        parent = ctx.parent(call)
-        if isinstance(parent, cst.Attribute) and parent.value is call and parent.attr.value == "module":
+    wrappers = {id(call) for _, _, call in ctx.calls(frameworks.DDP)}
+    # The `.module` attributes of a wrapper call on the code path (looked up from the attributes,
+    # not through a parent map of every node of the file).
+    for node in ctx.nodes(cst.Attribute):
+        if node.attr.value == "module" and id(node.value) in wrappers:
             yield Report(
-                parent,
+                node,
                 "`.module` of the DistributedDataParallel wrapper just built keeps the plain model and drops "
                 "the wrapper: no forward goes through DDP, so gradients are never all-reduced and every rank "
                 "trains its own copy. Keep the wrapper (`model = DDP(model, ...)`) and reach `.module` only "
