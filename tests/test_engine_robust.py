@@ -583,3 +583,13 @@ def test_positions_are_libcsts_own():
         ours = LintContext(where, source, module)._positions
         public = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
         assert dict(ours) == dict(public), where
+
+
+def test_no_memo_keeps_a_linted_tree_alive():
+    # Memos keyed by node hold their nodes; left filled, every worker would keep the trees of the
+    # files it linted (memory, and time in every collection).
+    from distdoctor.lint.analysis import devices, syntax
+
+    source = DIST + "import torch\nrank = dist.get_rank()\ntorch.cuda.set_device(f'cuda:{rank}')\ndist.barrier()\n"
+    assert codes(lint_text(source)) == ["DD002"]
+    assert devices._STRINGS_MEMO == {} and syntax._CALLS_MEMO == {}

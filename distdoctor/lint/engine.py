@@ -262,7 +262,7 @@ def _lint_module(ctx: LintContext, rules: Sequence[Rule]) -> FileResult:
                     )
                 )
     finally:
-        syntax.forget_calls()
+        syntax.forget_file_memos()
     kept, unused = _suppress(raw, ctx.source, path)
     return FileResult(path, tuple(sorted(kept, key=lambda f: f.sort_key)), unused)
 

@@ -99,7 +99,7 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
             yield DeviceIndex(trace, step, call, arg, method)
 
 
-_STRINGS_MEMO: dict[int, tuple[cst.CSTNode, list[tuple[cst.CSTNode, cst.BaseExpression]]]] = {}
+_STRINGS_MEMO: dict[int, tuple[cst.CSTNode, list[tuple[cst.CSTNode, cst.BaseExpression]]]] = syntax.file_memo()
 _STRINGS_MEMO_LIMIT = 100_000
 
 

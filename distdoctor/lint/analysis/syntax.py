@@ -185,15 +185,28 @@ _OPAQUE = (cst.Lambda, cst.FunctionDef, cst.ClassDef)
 _DESCEND: dict[type, bool] = {}
 
 
-_CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = {}
+# Memos keyed by node identity, emptied after each file (`forget_file_memos`): they hold the nodes
+# (so that an id is never reused while its entry lives), so they would keep every tree alive.
+_FILE_MEMOS: list[dict[int, Any]] = []
+
+
+def file_memo() -> dict[int, Any]:
+    """A new memo keyed by `id(node)`, emptied after each file."""
+    memo: dict[int, Any] = {}
+    _FILE_MEMOS.append(memo)
+    return memo
+
+
+_CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = file_memo()
 
 
 _CALLS_MEMO_LIMIT = 200_000
 
 
-def forget_calls() -> None:
-    """Drop the memo of call lists: it holds nodes, so it would keep every linted tree alive."""
-    _CALLS_MEMO.clear()
+def forget_file_memos() -> None:
+    """Empty every memo of the file just linted (see `file_memo`)."""
+    for memo in _FILE_MEMOS:
+        memo.clear()
 
 
 def own_calls(node: cst.CSTNode) -> list[cst.Call]:
