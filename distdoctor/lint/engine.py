@@ -208,7 +208,10 @@ def parse_unvalidated(source: str) -> cst.Module:
     Those checks (`CSTNode._validate`, run by `__post_init__`) are for trees that code builds
     by hand; a parsed tree is valid by construction, and libcst notes that validation belongs out
     of parsing. Skipping them makes the parse about a fifth cheaper. Nodes built at any other
-    time (fixes, `with_changes`) are checked as always: the constructor is restored at once."""
+    time (fixes, `with_changes`) are checked as always: the constructor is restored at once.
+    The switch is process-wide while one parse runs: a program that calls `distdoctor.lint()`
+    while another of its threads builds libcst nodes would have those nodes go unchecked then
+    (the CLI and its workers run nothing else)."""
     import libcst as cst
     from libcst._nodes.base import CSTNode
 
