@@ -99,8 +99,7 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
             yield DeviceIndex(trace, step, call, arg, method)
 
 
-_STRINGS_MEMO: dict[int, tuple[cst.CSTNode, list[tuple[cst.CSTNode, cst.BaseExpression]]]] = syntax.file_memo()
-_STRINGS_MEMO_LIMIT = 100_000
+_STRINGS_MEMO = syntax.file_memo(100_000)
 
 
 def _cuda_strings(node: cst.CSTNode) -> list[tuple[cst.CSTNode, cst.BaseExpression]]:
@@ -109,11 +108,7 @@ def _cuda_strings(node: cst.CSTNode) -> list[tuple[cst.CSTNode, cst.BaseExpressi
     entry = _STRINGS_MEMO.get(id(node))
     if entry is not None and entry[0] is node:
         return entry[1]
-    found = list(_scan_cuda_strings(node))
-    if len(_STRINGS_MEMO) > _STRINGS_MEMO_LIMIT:
-        _STRINGS_MEMO.clear()
-    _STRINGS_MEMO[id(node)] = (node, found)  # holding the node keeps its id from being reused
-    return found
+    return _STRINGS_MEMO.remember(node, list(_scan_cuda_strings(node)))
 
 
 def _scan_cuda_strings(node: cst.CSTNode) -> Iterator[tuple[cst.CSTNode, cst.BaseExpression]]:

@@ -4,7 +4,7 @@ statement in evaluation order, arguments by position or keyword, literal values.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import libcst as cst
 
@@ -185,22 +185,37 @@ _OPAQUE = (cst.Lambda, cst.FunctionDef, cst.ClassDef)
 _DESCEND: dict[type, bool] = {}
 
 
-# Memos keyed by node identity, emptied after each file (`forget_file_memos`): they hold the nodes
-# (so that an id is never reused while its entry lives), so they would keep every tree alive.
-_FILE_MEMOS: list[dict[int, Any]] = []
+T = TypeVar("T")
 
 
-def file_memo() -> dict[int, Any]:
-    """A new memo keyed by `id(node)`, emptied after each file."""
-    memo: dict[int, Any] = {}
+class NodeMemo(dict[int, tuple[cst.CSTNode, Any]]):
+    """Values computed from a node, keyed by `id(node)`: a hit is `entry = memo.get(id(node))` with
+    `entry[0] is node`, a miss is stored by `remember`. Each entry holds its node, so that an id is
+    never reused while its entry lives; so memos are emptied after each file (`forget_file_memos`),
+    lest they keep every linted tree alive, and when one outgrows `limit` within a file."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, node: cst.CSTNode, value: T) -> T:
+        if len(self) > self.limit:
+            self.clear()
+        self[id(node)] = (node, value)
+        return value
+
+
+_FILE_MEMOS: list[NodeMemo] = []
+
+
+def file_memo(limit: int) -> NodeMemo:
+    """A new memo of values by node, emptied after each file."""
+    memo = NodeMemo(limit)
     _FILE_MEMOS.append(memo)
     return memo
 
 
-_CALLS_MEMO: dict[int, tuple[cst.CSTNode, list[cst.Call]]] = file_memo()
-
-
-_CALLS_MEMO_LIMIT = 200_000
+_CALLS_MEMO = file_memo(200_000)
 
 
 def forget_file_memos() -> None:
@@ -226,10 +241,7 @@ def own_calls(node: cst.CSTNode) -> list[cst.Call]:
         calls = []
     else:
         calls = _calls_in_order(node)
-    if len(_CALLS_MEMO) > _CALLS_MEMO_LIMIT:
-        _CALLS_MEMO.clear()
-    _CALLS_MEMO[id(node)] = (node, calls)  # holding the node keeps its id from being reused
-    return calls
+    return _CALLS_MEMO.remember(node, calls)
 
 
 def assigned_targets(node: cst.Assign) -> Iterator[cst.BaseExpression]:
