@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from distdoctor import __version__
 from distdoctor.lint import guard
@@ -151,10 +151,19 @@ AST_PARSER_IS_SAFE = sys.version_info >= (3, 11)
 
 def _python_tree(source: str) -> tuple[ast.Module | None, Exception | None]:
     """CPython's syntax tree of `source`, or the exception it raised instead."""
+    return _by_cpython(ast.parse, source)
+
+
+T = TypeVar("T")
+
+
+def _by_cpython(read: Callable[[str], T], source: str) -> tuple[T | None, Exception | None]:
+    """`read(source)` with CPython's parser or compiler, or the exception by which it refuses
+    the text (bad syntax, too deep, too large)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escape sequences and the like: not ours to say
-            return ast.parse(source), None
+            return read(source), None
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
         return None, exc
 
@@ -319,13 +328,11 @@ def _python_syntax_error(source: str) -> Exception | None:
     """CPython's verdict on `source`: None when it compiles, else the exception. Compiling (never
     running) is faster than `ast.parse` and keeps no tree; it also reports what only the compiler
     refuses (`return` outside a function), which Python would refuse too."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # invalid escape sequences and the like: not ours to say
-            compile(source, "<distdoctor>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
-        return exc
-    return None
+    return _by_cpython(_compile, source)[1]
+
+
+def _compile(source: str) -> object:
+    return compile(source, "<distdoctor>", "exec", dont_inherit=True)
 
 
 def _syntax_finding(path: str, source: str, exc: Exception, python_error: Exception | None = None) -> Finding:
@@ -739,8 +746,8 @@ def lint(
             # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
-        key = _cache_key(source, codes) if cache.folder is not None else ""
-        cached = cache.get(key, shown) if key else None
+        key = _cache_key(source, codes) if cache.folder is not None else ""  # no hash without a cache
+        cached = cache.get(key, shown)
         if cached is not None:
             results.append(cached)
         else:
@@ -748,18 +755,19 @@ def lint(
 
     workers = jobs if jobs is not None else default_jobs()
     # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
-    needs_parse = sum(1 for _ in itertools.islice((job for job in pending if PREFILTER.search(job[1])), PARALLEL_THRESHOLD))
-    if workers > 1 and (needs_parse >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
+    # Files the prefilter lets through, counted up to the threshold only (the workers run it again).
+    to_parse = sum(1 for _ in itertools.islice((job for job in pending if PREFILTER.search(job[1])), PARALLEL_THRESHOLD))
+    if workers > 1 and (to_parse >= PARALLEL_THRESHOLD or len(pending) >= 4 * PARALLEL_THRESHOLD):
         import multiprocessing
 
         from distdoctor.lint.workers import run_supervised  # multiprocessing: only when it is used
 
-        if needs_parse and multiprocessing.get_context().get_start_method() == "fork":
+        if to_parse and multiprocessing.get_context().get_start_method() == "fork":
             _rules(codes)  # imported once here, inherited by every forked worker
         fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
         # Only a file some rule can read needs the rules (and libcst) imported.
-        rules = _rules(codes) if needs_parse else []
+        rules = _rules(codes) if to_parse else []
         with guard.fewer_collections():
             fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
     for (_, _, key), result in zip(pending, fresh):
