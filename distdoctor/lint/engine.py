@@ -698,8 +698,11 @@ def _lint_job(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
     return lint_source(source, path, _rules(codes))
 
 
-def _rules(codes: Sequence[str]) -> list[Rule]:
-    """The rules of `codes`, imported on this first use."""
+def _rules(codes: Sequence[str], cache_folder: Path | None = None) -> list[Rule]:
+    """The rules of `codes`, imported on this first use (libcst through `cache_folder`'s compiled code)."""
+    from distdoctor.lint.libcst_import import import_libcst
+
+    import_libcst(cache_folder)
     from distdoctor.lint.rule import rules_with_codes
 
     return rules_with_codes(codes)
@@ -763,11 +766,11 @@ def lint(
         from distdoctor.lint.workers import run_supervised  # multiprocessing: only when it is used
 
         if to_parse and multiprocessing.get_context().get_start_method() == "fork":
-            _rules(codes)  # imported once here, inherited by every forked worker
+            _rules(codes, cache.folder)  # imported once here, inherited by every forked worker
         fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
     else:
         # Only a file some rule can read needs the rules (and libcst) imported.
-        rules = _rules(codes) if to_parse else []
+        rules = _rules(codes, cache.folder) if to_parse else []
         with guard.fewer_collections():
             fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
     for (_, _, key), result in zip(pending, fresh):
