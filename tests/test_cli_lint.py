@@ -418,3 +418,19 @@ def test_a_checkout_that_is_not_installed_finds_its_rules():
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 34
+
+
+def test_a_reader_that_stops_early_changes_neither_the_status_nor_stderr(tmp_path):
+    # `distdoctor lint | head`: more output than a pipe holds, and the reader closes after a line.
+    bad = (ROOT / "fixtures" / "lint" / "dd0_imagenet_style_global_rank.py").read_text()
+    for i in range(120):
+        (tmp_path / f"train_{i}.py").write_text(bad)
+    for fmt in ("text", "json"):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "distdoctor", "lint", "--no-cache", "--select", "ALL", "--format", fmt, str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert process.stdout.read(100)
+        process.stdout.close()
+        _, err = process.communicate(timeout=120)
+        assert (process.returncode, err.decode()) == (1, "")  # findings, and no traceback or error

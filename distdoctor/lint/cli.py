@@ -81,7 +81,8 @@ def lint(paths, select, extend_select, ignore, output_format, fix, diff, exit_ze
         # The workers are stopped by the engine; no traceback, the shell's status for SIGINT.
         click.echo("distdoctor: interrupted", err=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
-    except BrokenPipeError:
+    except BrokenPipeError:  # while printing a diff: the reader is gone, nothing was lost on disk
+        _discard_stdout()
         raise SystemExit(EXIT_ERROR) from None
     except Exception as exc:  # never a traceback for the user; DISTDOCTOR_DEBUG=1 shows it
         if os.environ.get("DISTDOCTOR_DEBUG"):
@@ -104,6 +105,22 @@ class _Show:
 
 
 def _emit(findings, files, show: _Show, sources=None) -> None:
+    try:
+        _print_findings(findings, files, show, sources)
+    except BrokenPipeError:
+        # The reader stopped early (`distdoctor lint | head`): the exit status still says what was found.
+        _discard_stdout()
+
+
+def _discard_stdout() -> None:
+    """Point standard output at the null device, so that nothing more (nor the interpreter's
+    final flush) writes to a pipe whose reader is gone."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _print_findings(findings, files, show: _Show, sources=None) -> None:
     from distdoctor.lint import output as report
 
     output_format = show.output_format
