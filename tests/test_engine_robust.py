@@ -593,3 +593,16 @@ def test_no_memo_keeps_a_linted_tree_alive():
     source = DIST + "import torch\nrank = dist.get_rank()\ntorch.cuda.set_device(f'cuda:{rank}')\ndist.barrier()\n"
     assert codes(lint_text(source)) == ["DD002"]
     assert devices._STRINGS_MEMO == {} and syntax._CALLS_MEMO == {}
+
+
+def test_the_files_own_invalid_escapes_never_warn_on_the_users_terminal():
+    # Rules evaluate string literals; CPython warns about "\d" in them (SyntaxWarning from 3.12,
+    # and from literal evaluation on 3.11). The finding is still made.
+    import warnings
+
+    source = DIST + 's = "\\d"\ndist.init_process_group("nccl", init_method="\\d", rank=0, world_size=2)\n'
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = engine.lint_source(source, "train.py", all_rules())
+    assert [str(w.message) for w in caught] == []
+    assert "DD001" in {f.code for f in result.findings}

@@ -97,7 +97,11 @@ def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
     cannot be parsed is a DD000 finding, a failure inside the engine or a rule a DD000 finding that
     says so; the other files of a run are not affected."""
     try:
-        return guard.run_with_deep_stack(_lint_text, source, path, rules)
+        with warnings.catch_warnings():
+            # Evaluating the file's literals (libcst's `evaluated_value`) makes CPython warn about
+            # the file's own invalid escapes: not ours to print, and never on the user's terminal.
+            warnings.simplefilter("ignore")
+            return guard.run_with_deep_stack(_lint_text, source, path, rules)
     except Exception as exc:  # a defect of the engine itself, outside any one rule
         return FileResult(path, (_internal_finding(path, "the engine", exc),))
 
