@@ -75,6 +75,8 @@ class Config:
 
     def ignored_for(self, path: str) -> tuple[str, ...]:
         """Codes that `per-file-ignores` switches off for `path`."""
+        if not self.per_file_ignores:
+            return ()  # no path to resolve (a system call per folder of the path)
         rel = _relative(path, self.root)
         codes: list[str] = []
         for pattern, ignored in self.per_file_ignores.items():
@@ -83,6 +85,8 @@ class Config:
         return tuple(codes)
 
     def is_excluded(self, path: Path) -> bool:
+        if not (self.exclude or self.extend_exclude):
+            return False
         rel = _relative(str(path), self.root)
         return any(_glob_match(rel, pattern) for pattern in (*self.exclude, *self.extend_exclude))
 
