@@ -146,8 +146,33 @@ class RankAsDevice(Rule):
                 return torch.device("cuda", global_rank)  # expect: DD002
             """
         ),
+        Example(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            gpu = int(os.environ["RANK"]) + args.first_gpu  # an offset keeps the rank global
+            torch.cuda.set_device(gpu)  # expect: DD002
+            """
+        ),
     )
     valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            class Trainer:
+                # built by a spawn worker elsewhere with its index: nothing here says the rank is global
+                def __init__(self, rank, cfg):
+                    self.gpu = rank + cfg.START_GPU  # shifted to the first GPU this job may use
+                    torch.cuda.set_device(self.gpu)
+                    dist.init_process_group("nccl", init_method=cfg.URL, world_size=cfg.GPUS, rank=rank)
+                    self.model = torch.nn.parallel.DistributedDataParallel(build(cfg).cuda(self.gpu), device_ids=[self.gpu])
+            """
+        ),
         Example(
             """
             import os

@@ -208,8 +208,10 @@ class Evaluator:
                 v is not None and v.kind == NODE_RANK and v.origin == "arith" for v in (left, right)
             )):
                 return Value(RANK, node, origin="arith")  # `node_rank * gpus + gpu`
-            if RANK in kinds or (LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _node_offset(node, left, right)):
+            if LOCAL_RANK in kinds and isinstance(node.operator, cst.Add) and _node_offset(node, left, right):
                 return Value(RANK, node, origin="arith")
+            if RANK in kinds:
+                return _rank_arithmetic(node, left, right)
         if isinstance(node.operator, (cst.Multiply, cst.Divide, cst.FloorDivide)):
             kinds = {v.kind for v in (left, right) if v is not None}
             if kinds & {WORLD_SIZE, LOCAL_SIZE}:
@@ -431,6 +433,19 @@ def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None
         if isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)):
             return True
     return None
+
+
+def _rank_arithmetic(node: cst.BinaryOperation, left: Value | None, right: Value | None) -> Value:
+    """A rank times or plus something. `rank * gpus_per_node` (+ a GPU) is the global-rank
+    formula, and so is a rank plus a local rank (`args.rank + gpu`). A rank plus anything else (a
+    configured first GPU, `rank + cfg.START_GPU`) is exactly as global as the rank was: a spawn
+    index stays a spawn index."""
+    ranks = [v for v in (left, right) if v is not None and v.kind == RANK]
+    if isinstance(node.operator, cst.Multiply) or any(v.origin == "arith" for v in ranks) or any(
+        v is not None and v.kind == LOCAL_RANK for v in (left, right)
+    ):
+        return Value(RANK, node, origin="arith")
+    return replace(ranks[0], node=node)
 
 
 def _node_offset(node: cst.BinaryOperation, left: Value | None, right: Value | None) -> bool:
