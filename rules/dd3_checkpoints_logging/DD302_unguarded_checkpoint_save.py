@@ -375,6 +375,21 @@ class UnguardedCheckpointSave(Rule):
         Example(
             """
             import torch
+            import torch.distributed as dist
+            from utils.util import is_first_worker  # rank 0 of the job, by its name
+
+            dist.init_process_group("nccl")
+            for step, batch in enumerate(loader):
+                loss = model(batch).loss
+                loss.backward()
+                optimizer.step()
+                if is_first_worker() and step % args.save_steps == 0:
+                    torch.save(model.module.state_dict(), f"checkpoint-{step}.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
 
             # no process group: a single-process script
             model = Net()

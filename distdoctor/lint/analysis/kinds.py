@@ -49,6 +49,10 @@ MAIN_PROCESS_FUNCS = frozenset(
         "master_only",
         "is_root",
         "is_chief",
+        "is_first_worker",
+        "is_first_process",
+        "is_rank0",
+        "is_main_rank",
     }
 )
 
