@@ -204,6 +204,30 @@ class MissingDistributedSampler(Rule):
     valid = (
         Example(
             """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+            from datasets import load_dataset
+
+            def get_loaders(cfg):
+                train_ds = load_dataset(cfg.path, split="train")
+                if dist.is_initialized():  # an indexed dataset split by rank: no sampler needed
+                    train_ds = train_ds.shard(num_shards=dist.get_world_size(), index=dist.get_rank())
+                val_ds = train_ds.select(range(cfg.val_size))
+                train_ds = train_ds.select(range(cfg.val_size, len(train_ds)))
+                train_set = Packed(Tokenized(train_ds, cfg.tokenizer), seq_length=cfg.seq_length)
+                return DataLoader(train_set, batch_size=cfg.batch_size, drop_last=True), val_ds
+
+            def train(cfg):
+                dist.init_process_group("nccl")
+                train_loader, _ = get_loaders(cfg)
+                model = DDP(Net().cuda())
+                for batch in train_loader:
+                    model(batch).mean().backward()
+            """
+        ),
+        Example(
+            """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
             from torch.utils.data import DataLoader, DistributedSampler
@@ -315,6 +339,9 @@ class MissingDistributedSampler(Rule):
                 continue
             if ctx.qualname(call.func) != LOADER or any(arg.star for arg in call.args):
                 continue
+            # Its arguments mean what they meant where the loader was made (`get_dataloaders()`
+            # returns it to the loop: its `train_ds` is not a name of the loop's function).
+            step = _binding_step(trace, call, step, made_by=True) or step
             if _given(trace, step, syntax.argument(call, 3, "sampler")) or _given(trace, step, syntax.argument(call, 4, "batch_sampler")):
                 continue
             if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
@@ -447,10 +474,25 @@ def _sharded_or_iterable(
         if value.kind == kinds.UNKNOWN:
             bound = bound_expression(value)
             if bound is not None:
-                return _mentions_sharding(ctx, trace, step, bound, iterable_classes, depth)
+                # `ds = ds.select(...)`: the names on the right hold what they held before that
+                # assignment (`ds = ds.shard(num_shards=world, index=rank)` one line up).
+                at = _binding_step(trace, value.node, step) or step
+                return _mentions_sharding(ctx, trace, at, bound, iterable_classes, depth)
     if isinstance(expr, cst.Name) and value is None:
         return bool(iterable_classes)  # a parameter of unknown origin
     return _mentions_sharding(ctx, trace, step, expr, iterable_classes, depth)
+
+
+def _binding_step(trace: Trace, node: cst.CSTNode | None, before: Step, made_by: bool = False) -> Step | None:
+    """The last step before `before`, in `trace`, that is the statement `node` (or, `made_by`,
+    whose statement makes the call `node`)."""
+    found = None
+    for candidate in trace.steps:
+        if candidate is before:
+            break
+        if candidate.node is node or made_by and any(call is node for call in syntax.own_calls(candidate.node)):
+            found = candidate
+    return found
 
 
 def _mentions_sharding(
