@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, kinds, syntax
+from distdoctor.lint.analysis import frameworks, guarded_calls, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -146,6 +146,28 @@ class MetricNotReduced(Rule):
             """
             import torch
             import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+            def evaluate(args, model, dataset):
+                sampler = SequentialSampler(dataset) if args.local_rank == -1 else DistributedSampler(dataset)
+                correct = 0
+                for x, y in DataLoader(dataset, sampler=sampler, batch_size=64):
+                    correct += (model(x).argmax(1) == y).sum().item()
+                return {"acc": correct / len(dataset)}
+
+            def train(args, model, dataset):
+                for step, batch in enumerate(loader):
+                    model(batch).loss.backward()
+                    if args.local_rank in [-1, 0] and step % args.save_steps == 0:
+                        if args.local_rank == -1:  # only a single process evaluates during training
+                            results = evaluate(args, model, dataset)
+                            print("acc", results["acc"])
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
             from torch.utils.data import DataLoader, DistributedSampler
             from utils.dist import dist_sum
 
@@ -257,6 +279,8 @@ def _eval_loops(ctx: LintContext, trace: Trace) -> Iterable[Step]:
         source = _iterated(trace, step, step.node.iter)
         if source is None or source.kind != kinds.LOADER or source.inner is None or source.inner.kind != kinds.SAMPLER:
             continue
+        if guarded_calls.single_process_only(ctx, step):
+            continue  # `if args.local_rank == -1: evaluate(...)`: one process sees the whole set
         loop = step.node
         calls = [call for other in trace.steps if other.in_loop(loop) for call in syntax.own_calls(other.node)]
         # An evaluation runs something on each batch; a loop that only copies what it draws
