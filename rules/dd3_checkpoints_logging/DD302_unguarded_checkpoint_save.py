@@ -127,6 +127,26 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # A flag holding a local-rank test (`None`: started without a launcher) is that test.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main(args):
+                rank = args.local_rank
+                primary = rank is None or rank == 0
+                if rank is not None:
+                    dist.init_process_group("nccl", init_method="env://")
+                    model = torch.nn.parallel.DistributedDataParallel(Net().cuda(rank), device_ids=[rank])
+                for epoch in range(args.epochs):
+                    train_one_epoch(model)
+                    if primary:
+                        torch.save(model.module.state_dict(), "last.pth")  # expect: DD302
+
+            main(parse_args())
+            """
+        ),
+        Example(
             # `and` binds tighter than `or`: at the milestones every rank saves.
             """
             import torch
@@ -268,6 +288,25 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main(args):
+                rank = args.local_rank
+                if rank is not None:
+                    dist.init_process_group("nccl", init_method="env://")
+                    model = torch.nn.parallel.DistributedDataParallel(Net().cuda(rank), device_ids=[rank])
+                writer = rank is None or dist.get_rank() == 0  # the global rank decides when distributed
+                for epoch in range(args.epochs):
+                    train_one_epoch(model)
+                    if writer:
+                        torch.save(model.module.state_dict(), "last.pth")
+
+            main(parse_args())
+            """
+        ),
         Example(
             # Parentheses around the `and` say the `or` is meant for every rank.
             """

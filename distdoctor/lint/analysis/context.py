@@ -548,9 +548,10 @@ class LintContext:
         return self.module.code_for_node(node)
 
 
-def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) -> bool:
+def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step, depth: int = 0) -> bool:
     """Whether a rank test reads the local rank (true once per node, not once per job), e.g.
-    `local_rank == 0`, or `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet)."""
+    `local_rank == 0`, or `args.rank % ngpus_per_node == 0` (pytorch/examples imagenet), also
+    through a flag that holds such a test (`primary = args.local_rank == 0` ... `if primary:`)."""
     evaluator = evaluate.Evaluator(ctx.info, step.env, step.frame, {})
     skipped: set[int] = set()
     for node in syntax.walk(test):
@@ -566,14 +567,27 @@ def _tests_local_rank(test: cst.BaseExpression, ctx: LintContext, step: Step) ->
             value = evaluator.eval(node)
             if value is not None and value.kind == kinds.LOCAL_RANK:
                 return True
+            if (
+                value is not None
+                and value.kind == kinds.RANK_TEST
+                and isinstance(value.node, cst.BaseExpression)
+                and value.node is not node
+                and depth < 3
+                and _tests_local_rank(value.node, ctx, step, depth + 1)
+            ):
+                return True
     return False
 
 
 def _tests_not_distributed(node: cst.Comparison) -> bool:
-    """`x == -1` / `x != -1`: the sentinel of a script run without a launcher."""
-    if len(node.comparisons) != 1 or not isinstance(node.comparisons[0].operator, (cst.Equal, cst.NotEqual)):
+    """`x == -1` / `x != -1` / `x is None`: the sentinel of a script run without a launcher."""
+    if len(node.comparisons) != 1:
         return False
     right = node.comparisons[0].comparator
+    if isinstance(node.comparisons[0].operator, (cst.Is, cst.IsNot)):
+        return isinstance(right, cst.Name) and right.value == "None"
+    if not isinstance(node.comparisons[0].operator, (cst.Equal, cst.NotEqual)):
+        return False
     return isinstance(right, cst.UnaryOperation) and isinstance(right.operator, cst.Minus) and (
         isinstance(right.expression, cst.Integer) and right.expression.value == "1"
     )

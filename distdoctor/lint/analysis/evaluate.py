@@ -411,6 +411,12 @@ def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None
         left, right = right, left
         flipped = {cst.LessThan: cst.GreaterThan, cst.GreaterThan: cst.LessThan, cst.LessThanEqual: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.LessThanEqual}
         op = flipped.get(type(op), type(op))()
+    if number is None:
+        # `local_rank is None`: the default of a rank no launcher set, like -1 below.
+        value = ev.eval(left)
+        if value is not None and value.is_rank_like and isinstance(op, (cst.Is, cst.Equal, cst.IsNot, cst.NotEqual)):
+            return isinstance(op, (cst.IsNot, cst.NotEqual))
+        return None
     if isinstance(number, bool) or not isinstance(number, int):
         return None
     value = ev.eval(left)
