@@ -9,12 +9,17 @@ from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.locality import is_one_node_count, local_rank_source, pinned_to_localhost
 from distdoctor.lint.rule import Example, Report, Rule
 
+# Keywords by which a sampler is told how many shards there are.
+SHARD_COUNTS = ("num_replicas", "world_size")
+
 class SamplerShardedByLocalRank(Rule):
     """
     ## What it does
     Flags a `DistributedSampler` whose `rank=` is the node-local rank (`LOCAL_RANK`, the
     `--local_rank` argument, `hvd.local_rank()`) or whose `num_replicas=` is one node's process
-    count (`torch.cuda.device_count()`, `LOCAL_WORLD_SIZE`, `hvd.local_size()`).
+    count (`torch.cuda.device_count()`, `LOCAL_WORLD_SIZE`, `hvd.local_size()`). A project's own
+    sampler class (a name ending in `Sampler`) given `rank=` the local rank together with
+    `num_replicas=` or `world_size=` is read the same way.
 
     Silent for `mp.spawn` worker indices (a one-node job), when the script pins `MASTER_ADDR` to
     this machine, and when the sampler is left to read the rank and world size from the process
@@ -45,7 +50,7 @@ class SamplerShardedByLocalRank(Rule):
     name = "sampler-sharded-by-local-rank"
     severity = "error"
     summary = "DistributedSampler split by the local rank or one node's process count"
-    requires = (frameworks.SAMPLER_WORDS,)
+    requires = (frameworks.SAMPLER_WORDS | frozenset(SHARD_COUNTS),)  # torch's sampler, or one told its shard count
 
     invalid = (
         Example(
@@ -73,8 +78,36 @@ class SamplerShardedByLocalRank(Rule):
             sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=local_rank)  # expect: DD206
             """
         ),
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+            from myproject.batching import MultiTaskBatchSampler
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            args = parser.parse_args()
+            dist.init_process_group("nccl", init_method="env://")
+            world_size = dist.get_world_size()
+            batches = MultiTaskBatchSampler(tasks, 32, rank=args.local_rank, world_size=world_size)  # expect: DD206
+            loader = DataLoader(tasks, batch_sampler=batches)
+            """
+        ),
     )
     valid = (
+        Example(
+            """
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+            from myproject.batching import MultiTaskBatchSampler
+
+            dist.init_process_group("nccl", init_method="env://")
+            batches = MultiTaskBatchSampler(tasks, 32, rank=dist.get_rank(), world_size=dist.get_world_size())
+            loader = DataLoader(tasks, batch_sampler=batches)
+            """
+        ),
         Example(
             """
             import torch.distributed as dist
@@ -125,6 +158,20 @@ class SamplerShardedByLocalRank(Rule):
                     continue
             if replicas is not None and is_one_node_count(ctx, replicas) and not _spawn_job(ctx, trace, step, rank):
                 yield Report(replicas, _message(f"num_replicas= is one node's process count (`{ctx.code(replicas)}`)"))
+        # A project's own distributed sampler, given the shard by keyword the same way
+        # (`DistMultiTaskBatchSampler(..., rank=args.local_rank, world_size=args.world_size)`).
+        for trace, step, call in ctx.calls_matching(_own_sampler):
+            rank = syntax.keyword(call, "rank")
+            if rank is None or not any(syntax.keyword(call, name) is not None for name in SHARD_COUNTS):
+                continue
+            source = local_rank_source(ctx, trace, step, trace.value(rank, step))
+            if source is not None:
+                yield Report(rank, _message(f"rank= is the local rank ({source})"))
+
+
+def _own_sampler(qual: str) -> bool:
+    """A sampler class that is not torch's: its name ends in `Sampler`."""
+    return qual.rsplit(".", 1)[-1].endswith("Sampler") and qual not in frameworks.SAMPLER_QUALS and not qual.startswith("torch.")
 
 
 def _spawn_job(ctx: LintContext, trace, step, rank) -> bool:

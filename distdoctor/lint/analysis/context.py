@@ -156,6 +156,14 @@ class LintContext:
         for index in sorted(wanted):
             yield calls[index]
 
+    def calls_matching(self, wanted: Callable[[str], bool]) -> Iterator[tuple[Trace, Step, cst.Call]]:
+        """Calls on the code path whose callee's qualified name `wanted` accepts (a project's own
+        `DistMultiTaskBatchSampler`, found by what its name says), with their trace and step."""
+        calls, positions = self._qualified_calls
+        found = [index for qual, where in positions.items() if wanted(qual) for index in where]
+        for index in sorted(found):
+            yield calls[index]
+
     @cached_property
     def _qualified_calls(self) -> tuple[list[tuple[Trace, Step, cst.Call]], dict[str, list[int]]]:
         """Every call on the code path whose callee has a qualified name, in path order, and the
