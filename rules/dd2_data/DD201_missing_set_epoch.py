@@ -449,6 +449,8 @@ def _shuffling_sampler(value: Value | None) -> tuple[Value | None, Value | None]
     sampler = value.inner if loader is not None else value
     if sampler is None or sampler.kind != kinds.SAMPLER or sampler.attrs.get("shuffle") is not True:
         return None, None
+    if sampler.attrs.get("owner") == "dgl":
+        return None, None  # DGL's use_ddp loaders reshuffle every epoch by themselves (DGL >= 0.8)
     return sampler, loader
 
 

@@ -63,9 +63,33 @@ class MetricNotReduced(Rule):
     name = "metric-not-reduced"
     severity = "info"
     summary = "validation metric of one rank's shard reported without all-reduce"
-    requires = (frameworks.DISTRIBUTED_WORDS, frameworks.SAMPLER_WORDS, frameworks.LOADER_WORDS)
+    requires = (
+        frameworks.DISTRIBUTED_WORDS,
+        frameworks.SAMPLER_WORDS | frameworks.DGL_DDP_WORDS,
+        frameworks.LOADER_WORDS | frameworks.DGL_LOADER_WORDS,
+    )
 
     invalid = (
+        Example(
+            """
+            import dgl
+            import torch
+            import torch.distributed as dist
+
+            def run(rank, graph, val_ids, model):
+                dist.init_process_group("nccl", rank=rank, world_size=4)
+                sampler = dgl.dataloading.NeighborSampler([10, 10])
+                val_loader = dgl.dataloading.DataLoader(graph, val_ids, sampler, use_ddp=True, batch_size=1024)
+                correct = total = 0
+                with torch.no_grad():
+                    for input_nodes, seeds, blocks in val_loader:  # this rank's quarter of val_ids
+                        pred = model(blocks).argmax(1)
+                        correct += (pred == blocks[-1].dstdata["label"]).sum().item()
+                        total += len(seeds)
+                if rank == 0:
+                    print("val acc", correct / total)  # expect: DD306
+            """
+        ),
         Example(
             # A per-batch helper named `compute_...` reduces nothing across ranks.
             """
@@ -265,7 +289,7 @@ class MetricNotReduced(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed or not ctx.may_call(*frameworks.SAMPLER_QUALS):
+        if not ctx.is_distributed or not ctx.may_call(*frameworks.SAMPLER_QUALS, *frameworks.DGL_DDP_LOADERS):
             return  # an evaluation loop here iterates a DataLoader over a DistributedSampler
         for trace in ctx.traces:
             for loop_step in _eval_loops(ctx, trace):

@@ -310,6 +310,8 @@ class Evaluator:
                     bound = self.eval(shuffle)
                     shuffle_value = bound.attrs.get("value") if bound is not None and bound.kind == CONST else None
             return Value(SAMPLER, node, attrs={"shuffle": shuffle_value})
+        if qual in frameworks.DGL_DDP_LOADERS:
+            return _dgl_loader(node)
         if qual in frameworks.LOADER_QUALS:
             # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
             sampler_arg = argument(node, 3, "sampler")
@@ -393,6 +395,20 @@ def _by_name(name: str, node: cst.CSTNode, origin: str, text: str | None = None)
     if _MULTI_PROCESS_NAME.match(name.lower()):
         return Value(PROCESS_COUNT_TEST, node, origin=origin, attrs={"multi": True}, name=text or name)
     return None
+
+
+def _dgl_loader(node: cst.Call) -> Value | None:
+    """`dgl.dataloading.NodeDataLoader(..., use_ddp=True)`: a loader that gives each rank its
+    own part of the indices, like a DistributedSampler of its own. Since DGL 0.8 it reshuffles
+    each epoch without set_epoch(), so the sampler is marked as DGL's: only what follows from
+    the split (one rank's shard) holds for it."""
+    use_ddp = keyword(node, "use_ddp")
+    if use_ddp is None or const_value(use_ddp) != (True, True):
+        return None
+    shuffle = keyword(node, "shuffle")
+    known, shuffle_value = const_value(shuffle) if shuffle is not None else (True, False)
+    sampler = Value(SAMPLER, node, attrs={"shuffle": shuffle_value if known else None, "owner": "dgl"})
+    return Value(LOADER, node, inner=sampler, attrs={"has_sampler": True, "batch_sampler": False})
 
 
 def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 DDP = "torch.nn.parallel.DistributedDataParallel"
 SAMPLER_QUALS = ("torch.utils.data.DistributedSampler",)
 LOADER_QUALS = ("torch.utils.data.DataLoader",)
+# DGL's loaders: with use_ddp=True each rank iterates its own part of the indices.
+DGL_DDP_LOADERS = tuple(
+    f"dgl.dataloading.{package}{name}"
+    for package in ("", "pytorch.")
+    for name in ("DataLoader", "NodeDataLoader", "EdgeDataLoader", "GraphDataLoader")
+)
 DDP_QUALS = (DDP,)
 FSDP_PREFIX = "torch.distributed.fsdp"
 CONVERT_SYNCBN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm",)
@@ -62,6 +68,8 @@ HOROVOD_WORDS = frozenset({"horovod"})
 SHARDING_WORDS = frozenset({"fully_shard", "FullyShardedDataParallel", "parallelize_module"})
 SAMPLER_WORDS = frozenset({"DistributedSampler"})
 LOADER_WORDS = frozenset({"DataLoader"})
+DGL_DDP_WORDS = frozenset({"use_ddp"})  # a DGL loader's own DistributedSampler
+DGL_LOADER_WORDS = frozenset({"NodeDataLoader", "EdgeDataLoader", "GraphDataLoader"})
 SAVE_WORDS = frozenset({"save"})
 CLIP_WORDS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
 # `LintContext.is_distributed`: torch.distributed, torch.nn.parallel, a DistributedSampler or
