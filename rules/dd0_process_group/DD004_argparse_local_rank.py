@@ -68,6 +68,22 @@ class ArgparseLocalRank(Rule):
 
     invalid = (
         Example(
+            # The parsed flags turned into a dict are still the flags.
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=0)  # expect: DD004
+            parser.add_argument("--distributed", action="store_true")
+            args = vars(parser.parse_args())
+            if args["distributed"]:
+                torch.cuda.set_device(args["local_rank"])
+                dist.init_process_group("nccl", init_method="env://")
+            """
+        ),
+        Example(
             # Copying the flag into a config object is no reading of LOCAL_RANK.
             """
             import argparse

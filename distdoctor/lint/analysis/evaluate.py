@@ -240,6 +240,11 @@ class Evaluator:
                 key = str(index.value.evaluated_value)
                 if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                     return env_value(key, node)
+                # A dict of the parsed arguments (`args = vars(args)` ... `args["local_rank"]`)
+                # is read by its keys, as `args.local_rank` is by its attribute.
+                base_text = dotted(node.value)
+                if base_text is not None and key.isidentifier():
+                    return _by_name(key, node, "attr", f"{base_text}.{key}")
         return None
 
     # calls -----------------------------------------------------------------------------------
