@@ -19,8 +19,10 @@ class DDPModuleBypass(Rule):
     ## What it does
     Flags a forward pass through the module *inside* a `DistributedDataParallel` wrapper
     (`ddp_model.module(x)`, or `net(x)` where `net` was wrapped by `DDP(net)`) whose result
-    reaches `backward()`, and a wrapper dropped as soon as it is built
-    (`model = DDP(model, device_ids=[i]).module`). Forwards under `torch.no_grad()` /
+    reaches `backward()`, a training step that computes its loss with a method of the inner
+    module (`ddp.module.train_step(batch)`) and never calls the wrapper (unless the file freezes
+    parameters: the method may run only frozen parts), and a wrapper dropped as soon as it is
+    built (`model = DDP(model, device_ids=[i]).module`). Forwards under `torch.no_grad()` /
     `inference_mode()` and forwards whose result never reaches a backward pass (evaluation,
     logging, EMA) stay silent.
 
@@ -54,6 +56,24 @@ class DDPModuleBypass(Rule):
     requires = (frameworks.DDP_WORDS,)
 
     invalid = (
+        Example(
+            # A method of the inner module computes the loss: no DDP forward at all.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def __init__(self, model, gpu):
+                    self.model = DDP(model.cuda(gpu), device_ids=[gpu])
+
+                def train(self, loader, optimizer):
+                    for batch in loader:
+                        results = self.model.module.train_step(batch)  # expect: DD102
+                        results["loss"].backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+            """
+        ),
         Example(
             # The distributed branch of the conditional is the bare module.
             """
@@ -139,6 +159,22 @@ class DDPModuleBypass(Rule):
     )
     valid = (
         Example(
+            # The forward goes through the wrapper; the inner module's method only scores it.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def train(model, gpu, loader, optimizer):
+                ddp = DDP(model.cuda(gpu), device_ids=[gpu])
+                for images, targets in loader:
+                    outputs = ddp(images)
+                    loss = ddp.module.compute_loss(outputs, targets)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
             # `x if not is_ddp else x_ddp`: a multi-process job takes the wrapper.
             """
             import torch
@@ -209,6 +245,12 @@ class DDPModuleBypass(Rule):
         yield from _discarded_wrappers(ctx)
         for trace in ctx.traces:
             for step, call in trace.calls():
+                method = _inner_method_call(trace, step, call)
+                if method is not None:
+                    report = _method_bypass(ctx, trace, step, call, *method)
+                    if report is not None:
+                        yield report
+                    continue
                 wrapper = _bypassed_wrapper(trace, step, call)
                 if wrapper is None or ctx.grad_disabled(step):
                     continue
@@ -246,6 +288,68 @@ def _discarded_wrappers(ctx: LintContext) -> Iterable[Report]:
                 "trains its own copy. Keep the wrapper (`model = DDP(model, ...)`) and reach `.module` only "
                 "to save or inspect the weights.",
             )
+
+
+# Methods of the inner module that run no forward computation.
+_NOT_FORWARD = frozenset({
+    "state_dict", "load_state_dict", "parameters", "named_parameters", "buffers", "named_buffers",
+    "modules", "named_modules", "children", "named_children", "train", "eval", "to", "cuda", "cpu",
+    "half", "float", "bfloat16", "zero_grad", "requires_grad_", "apply", "register_buffer",
+    "get_parameter", "get_submodule", "save_pretrained", "generate",
+})
+
+
+def _inner_method_call(trace: Trace, step: Step, call: cst.Call) -> tuple[Value, str] | None:
+    """`ddp.module.train_step(batch)`: a method of the wrapped module, called past the wrapper."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module"):
+        return None
+    if func.attr.value in _NOT_FORWARD:
+        return None
+    outer = trace.value(func.value.value, step)
+    if outer is None or outer.kind != kinds.DDP:
+        return None
+    return outer, func.attr.value
+
+
+def _method_bypass(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, wrapper: Value, method: str) -> Report | None:
+    """A training step that computes its loss with a method of the inner module and never calls
+    the wrapper: no forward of DDP arms the gradient all-reduce. (`loss_fn(ddp(x))` followed by
+    `ddp.module.compute_loss(...)` has had its DDP forward and stays silent.)"""
+    if not step.loops or ctx.grad_disabled(step) or not _reaches_backward(ctx, trace, step, call):
+        return None
+    if _freezes_parameters(ctx):
+        return None  # the method may run only frozen parts (a CLIP text tower): nothing to all-reduce
+    loop = step.loops[-1]
+    for other in trace.steps:
+        if other.in_loop(loop):
+            for inner in syntax.own_calls(other.node):
+                value = trace.value(inner.func, other)
+                if value is not None and value.kind == kinds.DDP and value.same_object(wrapper):
+                    return None
+    holder = dotted(call.func.value.value) or "the wrapper"  # type: ignore[union-attr]
+    return Report(
+        call,
+        f"this training step computes its loss with `{holder}.module.{method}()`, past the "
+        f"DistributedDataParallel wrapper, and never calls the wrapper: no DDP forward runs, so the "
+        f"gradients are never all-reduced and the replicas drift apart. Route the step through the "
+        f"wrapper's forward (`{holder}(batch)` calling `{method}` inside `forward`).",
+    )
+
+
+def _freezes_parameters(ctx: LintContext) -> bool:
+    """`p.requires_grad_(False)` or `p.requires_grad = False` somewhere in the file."""
+    for call in ctx.nodes(cst.Call):
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "requires_grad_" and call.args:
+            if isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False":
+                return True
+    for node in ctx.nodes(cst.Assign):
+        if isinstance(node.value, cst.Name) and node.value.value == "False" and any(
+            isinstance(target.target, cst.Attribute) and target.target.attr.value == "requires_grad" for target in node.targets
+        ):
+            return True
+    return False
 
 
 def _bypassed_wrapper(trace: Trace, step: Step, call: cst.Call) -> Value | None:
