@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import frameworks, syntax
+import libcst as cst
+
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.trace import Trace
 from distdoctor.lint.analysis.locality import is_one_node_count, local_rank_source, pinned_to_localhost
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -99,6 +103,26 @@ class SamplerShardedByLocalRank(Rule):
     valid = (
         Example(
             """
+            import os
+            import torch.distributed as dist
+            from torch.utils.data.distributed import DistributedSampler
+
+            def main(args):
+                dist.init_process_group("nccl", init_method="env://")
+                # data staged per node: shards are per node or span the job, by configuration
+                if args.shards == args.local_size:
+                    shard_rank = int(os.environ["LOCAL_RANK"])
+                elif args.shards == dist.get_world_size():
+                    shard_rank = dist.get_rank()
+                else:
+                    shard_rank = 0
+                sampler = DistributedSampler(dataset, num_replicas=args.shards, rank=shard_rank)
+
+            main(parse_args())
+            """
+        ),
+        Example(
+            """
             import torch.distributed as dist
             from torch.utils.data import DataLoader
             from myproject.batching import MultiTaskBatchSampler
@@ -153,7 +177,7 @@ class SamplerShardedByLocalRank(Rule):
             replicas = syntax.argument(call, 1, "num_replicas")
             if rank is not None:
                 source = local_rank_source(ctx, trace, step, trace.value(rank, step))
-                if source is not None:
+                if source is not None and not _also_a_global_rank(trace, rank):
                     yield Report(rank, _message(f"rank= is the local rank ({source})"))
                     continue
             if replicas is not None and is_one_node_count(ctx, replicas) and not _spawn_job(ctx, trace, step, rank):
@@ -165,8 +189,23 @@ class SamplerShardedByLocalRank(Rule):
             if rank is None or not any(syntax.keyword(call, name) is not None for name in SHARD_COUNTS):
                 continue
             source = local_rank_source(ctx, trace, step, trace.value(rank, step))
-            if source is not None:
+            if source is not None and not _also_a_global_rank(trace, rank):
                 yield Report(rank, _message(f"rank= is the local rank ({source})"))
+
+
+def _also_a_global_rank(trace: Trace, rank: cst.BaseExpression) -> bool:
+    """The name passed as `rank=` is bound to the global rank on some other branch
+    (`shard_rank = local_rank` when shards are per node, `shard_rank = rank` when they span the
+    job): which one reaches the sampler depends on the configuration, so the rule stays silent."""
+    name = dotted(rank)
+    if name is None:
+        return False
+    for step in trace.steps:
+        if isinstance(step.node, cst.Assign) and any(dotted(t.target) == name for t in step.node.targets):
+            value = trace.value(step.node.value, step)
+            if value is not None and value.kind == kinds.RANK:
+                return True
+    return False
 
 
 def _own_sampler(qual: str) -> bool:
