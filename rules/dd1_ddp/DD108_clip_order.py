@@ -60,6 +60,34 @@ class ClipOrder(Rule):
 
     invalid = (
         Example(
+            # The flush after the loop clips the remainder's gradients still scaled.
+            """
+            import torch
+
+            def train_epoch(model, loader, optimizer, scaler, accumulation):
+                step = 0
+                for step, batch in enumerate(loader, start=1):
+                    scaler.scale(model(batch).loss / accumulation).backward()
+                    if step % accumulation == 0:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                        scaler.step(optimizer)
+                        scaler.update()
+                        optimizer.zero_grad()
+                if step % accumulation != 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # expect: DD108
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            scaler = torch.amp.GradScaler()
+            for epoch in range(10):
+                train_epoch(model, loader, optimizer, scaler, 8)
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -110,6 +138,36 @@ class ClipOrder(Rule):
         ),
     )
     valid = (
+        Example(
+            # The remainder of an accumulation window, flushed after the loop: its backward
+            # passes came after the loop's last step.
+            """
+            import torch
+
+            def train_epoch(model, loader, optimizer, scaler, accumulation):
+                step = 0
+                for step, batch in enumerate(loader, start=1):
+                    scaler.scale(model(batch).loss / accumulation).backward()
+                    if step % accumulation == 0:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                        scaler.step(optimizer)
+                        scaler.update()
+                        optimizer.zero_grad()
+                if step % accumulation != 0:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            scaler = torch.amp.GradScaler()
+            for epoch in range(10):
+                train_epoch(model, loader, optimizer, scaler, 8)
+            """
+        ),
         Example(
             """
             import torch
@@ -194,11 +252,19 @@ class ClipOrder(Rule):
                 continue
             # An event in a block that ends in `continue` (or leaves the loop) is not followed by
             # the clip in the same iteration: `if skipped: optimizer.zero_grad(); continue`.
-            before = [kind for s, c, kind in events[:here] if not _cut_off(ctx, s.node, call, step.loops[-1])]
+            kept = [(s, kind) for s, c, kind in events[:here] if not _cut_off(ctx, s.node, call, step.loops[-1])]
+            before = [kind for _, kind in kept]
             after = [kind for _, _, kind in events[here + 1 :]]
             backward_kinds = (BACKWARD, SCALED_BACKWARD)
             last_backward = max((i for i, kind in enumerate(before) if kind in backward_kinds), default=None)
             last_step = max((i for i, kind in enumerate(before) if kind in (STEP, ZERO)), default=None)
+            inner_backward = _inner_loop_backward(kept, last_step, step) if last_step is not None else None
+            if last_step is not None and inner_backward is not None:
+                # The step sits in an inner loop that also runs backward(), and the clip follows
+                # that loop: when the loop's last iterations did not step (the remainder of a
+                # gradient accumulation, flushed after the loop), that backward came last.
+                before.insert(last_step + 1, inner_backward)
+                last_backward = last_step + 1
             message = None
             if last_backward is None and any(kind in backward_kinds for kind in after):
                 message = (
@@ -221,6 +287,15 @@ class ClipOrder(Rule):
                 )
             if message is not None:
                 yield Report(call, message)
+
+
+def _inner_loop_backward(kept: list[tuple[Step, str | None]], index: int, clip_step: Step) -> str | None:
+    """The kind of backward() run by the loop that holds the step or zero_grad at `index`, when
+    that loop does not hold the clip; None otherwise."""
+    inner = [loop for loop in kept[index][0].loops if loop not in clip_step.loops]
+    if not inner:
+        return None
+    return next((kind for s, kind in kept if kind in (BACKWARD, SCALED_BACKWARD) and inner[0] in s.loops), None)
 
 
 def _events(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> list[tuple[Step, cst.Call, str | None]]:
