@@ -221,10 +221,19 @@ class _Builder:
         elif isinstance(stmt, (cst.Try, cst.TryStar)):
             self.emit(stmt, stmt, frame, loops, guards, block)
             self.run_block(stmt, stmt.body.body, frame, loops, guards)
+            after_body = self.env
+            # A handler is another way out of the `try`, not what always follows it: a fallback
+            # (`except KeyError: rank = 0`) must not replace what the body bound.
+            handled = []
             for handler in stmt.handlers:
+                self.env = after_body
                 self.run_block(handler, handler.body.body, frame, loops, guards)
+                handled.append(self.env)
+            self.env = after_body
             if stmt.orelse is not None:
                 self.run_block(stmt.orelse, stmt.orelse.body.body, frame, loops, guards)
+            for other in handled:
+                self.env = _merge_branches(self.env, other)
             if stmt.finalbody is not None:
                 self.run_block(stmt.finalbody, stmt.finalbody.body.body, frame, loops, guards)
         elif isinstance(stmt, cst.Match):
