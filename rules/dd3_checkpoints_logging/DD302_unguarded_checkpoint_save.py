@@ -289,6 +289,28 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # A constant fallback in an `except` is another path, not what the rank always is.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            try:
+                rank = int(os.environ["RANK"])
+                local_rank = int(os.environ["LOCAL_RANK"])
+                dist.init_process_group("nccl")
+            except KeyError:
+                rank = local_rank = 0
+                dist.init_process_group("nccl", init_method="tcp://127.0.0.1:12584", rank=0, world_size=1)
+
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(local_rank), device_ids=[local_rank])
+            for epoch in range(10):
+                train(model)
+                if rank == 0:
+                    torch.save(model.module.state_dict(), "model.pt")
+            """
+        ),
+        Example(
             """
             import torch
             import torch.distributed as dist
