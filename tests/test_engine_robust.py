@@ -509,6 +509,16 @@ def test_the_index_is_the_same_from_either_tree():
         assert from_ast.cuda_strings >= from_cst.cuda_strings, where
 
 
+STAR = {
+    "torch": "torch",
+    "dist": "torch.distributed",
+    "mp": "torch.multiprocessing",
+    "nn": "torch.nn",
+    "DDP": "torch.nn.parallel.DistributedDataParallel",
+    "hvd": "horovod.torch",
+}
+
+
 @pytest.mark.parametrize(
     ("source", "aliases"),
     [
@@ -523,7 +533,13 @@ def test_the_index_is_the_same_from_either_tree():
             "import a\ntry:\n    X = a.body\nexcept E:\n    X = a.handler\nfinally:\n    X = a.final\n",
             {"a": "a", "X": "a.final"},
         ),
-        ("import torch.distributed as dist\nfrom . import dist as other\nfrom m import *\n", {"dist": "torch.distributed"}),
+        (
+            "import torch.distributed as dist\nfrom . import dist as other\nfrom m import *\n",
+            {"dist": "torch.distributed", **{k: v for k, v in STAR.items() if k != "dist"}},
+        ),
+        # A star import provides the conventional spellings the file itself never binds.
+        ("from ddp_utils import *\ndist = pairwise(a, b)\ndef nn():\n    pass\nmp.spawn(main, nprocs=2)\n",
+         {k: v for k, v in STAR.items() if k not in ("dist", "nn")}),
         ("import torch\ndef torch():\n    pass\n", {}),
         ("async def f():\n    import torch.distributed as dist\n    async with x:\n        from os import environ\n", {"dist": "torch.distributed", "environ": "os.environ"}),
     ],

@@ -74,7 +74,10 @@ class ImportTable:
                     asname = alias.asname.name if alias.asname is not None else None
                     collector.import_module(_module_name(alias.name), asname.value if type(asname) is cst.Name else None)
             elif kind is cst.ImportFrom:
-                if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+                if isinstance(node.names, cst.ImportStar):
+                    collector.star()
+                    continue
+                if node.relative or node.module is None:
                     continue
                 module_name = _module_name(node.module)
                 for alias in node.names:
@@ -101,7 +104,10 @@ class ImportTable:
                 for alias in node.names:
                     collector.import_module(alias.name, alias.asname)
             elif kind is ast.ImportFrom:
-                if node.level or node.module is None or node.names[0].name == "*":
+                if node.names[0].name == "*":
+                    collector.star()
+                    continue
+                if node.level or node.module is None:
                     continue
                 for alias in node.names:
                     collector.import_from(node.module, alias.name, alias.asname)
@@ -224,7 +230,13 @@ class _ImportCollector:
         self.imports: dict[str, str] = {}
         self.shadowed: set[str] = set()
         self.defined: set[str] = set()
+        self.assigned: set[str] = set()
         self.assigned_aliases: dict[str, str] = {}
+        self.star_import = False
+
+    def star(self) -> None:
+        """`from helpers import *`: names the file never binds may come from there."""
+        self.star_import = True
 
     def import_module(self, full: str, asname: str | None) -> None:
         if asname is not None:
@@ -253,6 +265,7 @@ class _ImportCollector:
 
     def assign(self, name: str, value: str | None) -> None:
         """`name = value` (`value` the dotted text of the right side, or None)."""
+        self.assigned.add(name)
         if value is not None and "." in value:
             self.assigned_aliases.setdefault(name, value)
         elif name in self.imports:
@@ -267,4 +280,21 @@ class _ImportCollector:
             head = value.split(".", 1)
             if head[0] in aliases:
                 aliases[name] = aliases[head[0]] + ("." + head[1] if len(head) > 1 else "")
+        if self.star_import:
+            # `from ddp_utils import *` re-exporting `torch.multiprocessing as mp`: a name the
+            # file uses but never binds, spelled as everyone spells that module, is that module.
+            for name, target in STAR_IMPORTED_CONVENTIONS.items():
+                if name not in aliases and name not in self.imports and name not in self.defined and name not in self.assigned:
+                    aliases[name] = target
         return ImportTable(aliases)
+
+
+# The spellings a star import is taken to provide when the file itself never binds them.
+STAR_IMPORTED_CONVENTIONS = {
+    "torch": "torch",
+    "dist": "torch.distributed",
+    "mp": "torch.multiprocessing",
+    "nn": "torch.nn",
+    "DDP": "torch.nn.parallel.DistributedDataParallel",
+    "hvd": "horovod.torch",
+}
