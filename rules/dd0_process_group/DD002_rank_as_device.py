@@ -161,6 +161,19 @@ class RankAsDevice(Rule):
     valid = (
         Example(
             """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("nccl")
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            if args.eval and rank == 0:
+                reference = build_model().cuda(rank)  # only global rank 0 gets here: index 0
+            """
+        ),
+        Example(
+            """
             import torch
             import torch.distributed as dist
 
@@ -285,6 +298,8 @@ class RankAsDevice(Rule):
             value = use.trace.value(use.index, use.step)
             if not _is_global_rank(value) or _never_read(ctx, use) or _rank_handed_in(ctx, value):
                 continue
+            if any(g.zero and g.certain and not g.local for g in ctx.rank_guards(use.trace, use.step)):
+                continue  # only global rank 0 runs it: the index is 0, rank 0's own GPU
             line = ctx.position(use.site).start.line
             if line in reported:
                 continue

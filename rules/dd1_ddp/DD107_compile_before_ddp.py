@@ -23,7 +23,9 @@ class CompileBeforeDDP(Rule):
     (directly, through a variable, through a helper's parameter, or as what a builder of the same
     module returns: `DDP(build_model(), ...)` where `build_model` ends in `return torch.compile(m)`).
     Silent when the compile sits in a branch that cannot run: `if use_compile:` where
-    `use_compile` is bound to the literal `False` and assigned nowhere else in the file.
+    `use_compile` is bound to the literal `False` and assigned nowhere else in the file, and in
+    a file that turns the DDP graph optimizer off (`torch._dynamo.config.optimize_ddp = False`):
+    then neither order splits the graph, and the advice gains nothing.
 
     ## Why is this bad?
     The PyTorch documentation of DDP with TorchDynamo says to apply the DDP wrapper first and
@@ -122,6 +124,16 @@ class CompileBeforeDDP(Rule):
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
 
+            model = torch.compile(build_model().cuda())
+            torch._dynamo.config.optimize_ddp = False  # worked around a compiler error
+            model = DDP(model, device_ids=[local_rank])
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
             model = DDP(Net().to(device), device_ids=[local_rank])
             model = torch.compile(model)
             """
@@ -174,6 +186,8 @@ class CompileBeforeDDP(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if _ddp_optimizer_off(ctx):
+            return  # no graph split at bucket boundaries in either order: the advice gains nothing
         for trace, step, call in ctx.calls(DDP):
             wrapped = syntax.argument(call, 0, "module")
             if wrapped is None:
@@ -268,3 +282,14 @@ def _compile_call(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpr
         if found is not None:
             return _compile_call(ctx, trace, found[0], found[1], depth + 1)
     return None
+
+
+def _ddp_optimizer_off(ctx: LintContext) -> bool:
+    """`torch._dynamo.config.optimize_ddp = False` somewhere in the file."""
+    for node in ctx.nodes(cst.Assign):
+        if not (isinstance(node.value, cst.Name) and node.value.value == "False"):
+            continue
+        for target in node.targets:
+            if ctx.qualname(target.target) == "torch._dynamo.config.optimize_ddp":
+                return True
+    return False
