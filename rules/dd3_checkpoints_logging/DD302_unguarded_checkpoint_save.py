@@ -289,6 +289,35 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # The `else` of a module-level "is this distributed?" flag, tested in a function.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            def train_epoch(epoch):
+                for step, batch in enumerate(loader):
+                    model(batch).sum().backward()
+                    optimizer.step()
+                    if step % 1000 == 0:
+                        if ddp:
+                            if dist.get_rank() == 0:
+                                torch.save(model.module.state_dict(), f"iter_{step}.pth")
+                        else:
+                            torch.save(model.state_dict(), f"iter_{step}.pth")
+
+            if __name__ == "__main__":
+                ddp = int(os.environ.get("RANK", -1)) != -1
+                if ddp:
+                    dist.init_process_group("nccl")
+                    model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+                else:
+                    model = Net().cuda()
+                for epoch in range(10):
+                    train_epoch(epoch)
+            """
+        ),
+        Example(
             # A constant fallback in an `except` is another path, not what the rank always is.
             """
             import os

@@ -40,6 +40,9 @@ class Guard:
     frame: Frame
     # What the test's calls to functions of the module returned: `if master_process():`.
     results: Mapping[int, Value | None] = field(default_factory=dict, compare=False)
+    # For a flag test (`if ddp:`), the node whose value the flag held there: two tests of one
+    # module-level flag, in different functions, are one condition.
+    flag_source: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +85,8 @@ def _condition_keys(guard: Guard) -> tuple[tuple[object, bool], ...]:
     if flag is None:
         return (own,)
     text, inverted = flag
-    return own, (("flag", id(guard.frame), text), guard.negated != inverted)
+    key = ("flag", guard.flag_source) if guard.flag_source is not None else ("flag", id(guard.frame), text)
+    return own, (key, guard.negated != inverted)
 
 
 def flag_test(test: cst.BaseExpression) -> tuple[str, bool] | None:
@@ -175,7 +179,15 @@ class _Builder:
             self.run_statement(stmt, frame, loops, guards, (owner, index))
             # `if rank != 0: return` guards everything after it in the block.
             if isinstance(stmt, cst.If) and stmt.orelse is None and _ends_block(stmt.body.body):
-                guards = (*guards, Guard(stmt.test, True, frame, self.test_results.get(id(stmt), {})))
+                guards = (*guards, self.guard(stmt.test, True, frame, self.test_results.get(id(stmt), {})))
+
+    def guard(self, test: cst.BaseExpression, negated: bool, frame: Frame, results: Mapping[int, Value | None]) -> Guard:
+        flag = flag_test(test)
+        source = None
+        if flag is not None:
+            held = lookup(self.env, flag[0], frame)
+            source = id(held.node) if held is not None and held.node is not None else None
+        return Guard(test, negated, frame, results, source)
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
         if isinstance(stmt, cst.SimpleStatementLine):
@@ -191,9 +203,9 @@ class _Builder:
             self.emit(stmt, stmt, frame, loops, guards, block, results)
             before = self.env
             test = self.evaluate(stmt.test, frame, results)
-            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, Guard(stmt.test, False, frame, results)))
+            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, self.guard(stmt.test, False, frame, results)))
             orelse = stmt.orelse
-            negated = (*guards, Guard(stmt.test, True, frame, results))
+            negated = (*guards, self.guard(stmt.test, True, frame, results))
             after_body = after_other = self.env
             if orelse is not None:
                 self.env = before  # the other branch starts from the state before the `if`
