@@ -125,6 +125,21 @@ class InitHardcodedRank(Rule):
     )
     valid = (
         Example(
+            """
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            class ParameterServer:
+                def __init__(self, world_size):
+                    self.workers = []
+                    for i in range(world_size - 1):
+                        p = mp.Process(target=worker_loop, args=(i + 1, world_size))  # ranks 1..N-1
+                        p.start()
+                        self.workers.append(p)
+                    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29500", rank=0, world_size=world_size)
+            """
+        ),
+        Example(
             # The script is its own launcher: each Process gets its global rank; the literal
             # belongs to the single-process fallback call only.
             """
@@ -253,6 +268,7 @@ class InitHardcodedRank(Rule):
                 and _literal_rank(trace, step, rank_expr)
                 and not _is_one(world)
                 and not _process_target_parameter(ctx, step, rank_expr)
+                and not (_is_zero(rank_expr, trace, step) and _starts_worker_processes(ctx))
             ):
                 reported.add(id(call))
                 yield Report(
@@ -278,6 +294,21 @@ class InitHardcodedRank(Rule):
                 "rendezvous never completes. Use int(os.environ[\"WORLD_SIZE\"]), or leave "
                 "world_size out.",
             )
+
+
+def _is_zero(expr: cst.BaseExpression, trace: Trace, step: Step) -> bool:
+    known, value = syntax.const_value(expr)
+    if not known:
+        bound = trace.value(expr, step) if isinstance(expr, (cst.Name, cst.Attribute)) else None
+        known, value = (bound is not None and bound.kind == kinds.CONST), (bound.attrs.get("value") if bound is not None else None)
+    return known and value == 0 and not isinstance(value, bool)
+
+
+def _starts_worker_processes(ctx: LintContext) -> bool:
+    """The script starts worker processes itself with `Process(target=...)`: the process that
+    calls `init_process_group(rank=0)` is the parent (a parameter server or coordinator) and the
+    workers it started take the other ranks."""
+    return any(qual in ("torch.multiprocessing.Process", "multiprocessing.Process") for qual in ctx.called_qualnames)
 
 
 def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
