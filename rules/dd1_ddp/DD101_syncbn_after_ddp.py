@@ -133,6 +133,25 @@ class SyncBatchNormAfterDDP(Rule):
     )
     valid = (
         Example(
+            # The wrap in a branch that returns is not on the path to the conversion below it.
+            """
+            import os
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def make_ddp(model, workers):
+                for worker in range(1, workers):
+                    if os.fork() == 0:  # the child process converts and wraps its copy, and leaves
+                        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                        ddp = DDP(model, device_ids=[worker])
+                        return ddp
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                return DDP(model.cuda(0), device_ids=[0])
+
+            model = make_ddp(Net(), 4)
+            """
+        ),
+        Example(
             """
             import torch.nn as nn
             from torch.nn.parallel import DistributedDataParallel

@@ -207,6 +207,7 @@ class _Builder:
             orelse = stmt.orelse
             negated = (*guards, self.guard(stmt.test, True, frame, results))
             after_body = after_other = self.env
+            body_leaves = _ends_block(stmt.body.body)  # `return`, `raise`, `continue`, `break`
             if orelse is not None:
                 self.env = before  # the other branch starts from the state before the `if`
                 if isinstance(orelse, cst.If):
@@ -214,7 +215,16 @@ class _Builder:
                 else:
                     self.run_block(orelse, orelse.body.body, frame, loops, negated)
                 after_other = self.env
-                self.env = _merge_branches(after_body, self.env)
+                other_leaves = not isinstance(orelse, cst.If) and _ends_block(orelse.body.body)
+                # What follows the `if` sees only the branches that go on past it.
+                if body_leaves and not other_leaves:
+                    self.env = after_other
+                elif other_leaves and not body_leaves:
+                    self.env = after_body
+                else:
+                    self.env = _merge_branches(after_body, after_other)
+            elif body_leaves:
+                self.env = before  # what follows the `if` runs only when its body did not
             if test is not None and test.kind == RANK_TEST:
                 self.env = _flags_set_by_rank_test(test, after_body, before if orelse is None else after_other, self.env)
         elif isinstance(stmt, (cst.For, cst.While)):
