@@ -149,6 +149,21 @@ class ShardedCollectiveUnderRankGuard(Rule):
             """
             import torch
             import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            model = FSDP(build_model()) if args.fsdp else torch.nn.parallel.DistributedDataParallel(build_model())
+            full = None
+            if args.fsdp:
+                full = model.state_dict()  # every rank gathers
+            if dist.get_rank() == 0:
+                # only the non-FSDP arm asks the model here
+                torch.save(full if args.fsdp else model.state_dict(), "model.pt")
+            """
+        ),
+        Example(
+            """
+            import torch
+            import torch.distributed as dist
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -207,7 +222,7 @@ class ShardedCollectiveUnderRankGuard(Rule):
             for step, call, name, guards in every:
                 if not guards:
                     continue
-                if _matched(guards, name, every):
+                if _matched(guards, name, every) or _one_arm_of_a_conditional(ctx, call, step):
                     continue
                 guard = guards[-1]
                 where = ("local rank 0" if guard.local else "rank 0") if guard.zero else "the ranks other than 0"
@@ -217,6 +232,18 @@ class ShardedCollectiveUnderRankGuard(Rule):
                     f"`{name}` is a collective (every rank must call it) but runs only on {where} (condition on line "
                     f"{line}): the job hangs. Call it on every rank and guard only the write to disk.",
                 )
+
+
+def _one_arm_of_a_conditional(ctx: LintContext, call: cst.Call, step: Step) -> bool:
+    """`cpu_state if args.fsdp else model.state_dict()`: the call runs only when its arm is
+    chosen, and the other arm says the author handled the sharded case apart: cannot decide."""
+    node: cst.CSTNode | None = call
+    while node is not None and node is not step.node:
+        parent = ctx.parent(node)
+        if isinstance(parent, cst.IfExp) and node is not parent.test:
+            return True
+        node = parent
+    return False
 
 
 def _may_have_collectives(ctx: LintContext) -> bool:
