@@ -119,6 +119,23 @@ class Rank0LoadAfterWrap(Rule):
         Example(
             """
             import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Model:
+                def __init__(self, local_rank=-1):
+                    self.net = Net().cuda()
+                    if local_rank != -1:
+                        self.net = DDP(self.net, device_ids=[local_rank])
+
+                # called by scripts of other modules, with the rank they run as
+                def load_model(self, path, rank=0):
+                    if rank <= 0:
+                        self.net.load_state_dict(torch.load(path, map_location="cpu"))
+            """
+        ),
+        Example(
+            """
+            import torch
             import torch.distributed as dist
             from torch.distributed.fsdp import fully_shard
 
@@ -193,6 +210,8 @@ class Rank0LoadAfterWrap(Rule):
                 wrapper = receiver if receiver is not None and receiver.kind == kinds.DDP else None
             if not ctx.under_rank_zero(trace, step):
                 continue
+            if not ctx.is_entry(trace) and _guard_reads_a_parameter(ctx, trace, step):
+                continue  # `def load_model(self, path, rank=0): if rank <= 0: ...`, called from elsewhere
             if wrapper is None:
                 event = ctx.sharding.in_place_sharded(trace, step, call.func.value, FSDP2)
                 if event is not None and not _broadcast_follows(ctx, trace, step):
@@ -213,6 +232,21 @@ class Rank0LoadAfterWrap(Rule):
                 f"(line {line}): the other ranks keep their own weights. Load on every rank before wrapping "
                 f"(or broadcast the parameters from rank 0 afterwards).",
             )
+
+
+def _guard_reads_a_parameter(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """A rank-0 guard on a rank parameter of a function nothing in the file calls: the rank its
+    callers pass (and whether they run distributed at all) cannot be seen."""
+    root = trace.root
+    if not isinstance(root, cst.FunctionDef):
+        return False
+    params = {p.name.value for p in (*root.params.params, *root.params.kwonly_params, *root.params.posonly_params)}
+    params &= kinds.RANK_NAMES | kinds.LOCAL_RANK_NAMES  # `rank`, `local_rank`: not `self` or `args`
+    return any(
+        isinstance(node, cst.Name) and node.value in params
+        for guard in ctx.rank_guards(trace, step)
+        for node in syntax.walk(guard.guard.test)
+    )
 
 
 def _broadcast_follows(ctx: LintContext, trace: Trace, step: Step) -> bool:
