@@ -114,6 +114,17 @@ class FP16WithoutShardedScaler(Rule):
             """
             import torch
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+            fp16_policy = MixedPrecision(param_dtype=torch.float16)  # defined, never given to FSDP
+            bf16_policy = MixedPrecision(param_dtype=torch.bfloat16)
+            model = FSDP(build_model(), mixed_precision=bf16_policy if args.bf16 else None)
+            scaler = torch.cuda.amp.GradScaler(enabled=False)
+            """
+        ),
+        Example(
+            """
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
@@ -179,7 +190,7 @@ def _fp16_sources(ctx: LintContext, shards: bool) -> Iterator[tuple[cst.Call, st
     for node in ctx.nodes(cst.Call):
         qual = ctx.qualname(node.func)
         if qual in POLICIES:
-            if dtype_name(ctx, syntax.argument(node, 0, "param_dtype")) in FLOAT16:
+            if dtype_name(ctx, syntax.argument(node, 0, "param_dtype")) in FLOAT16 and not _unused_policy(ctx, node):
                 yield node, f"{qual.rsplit('.', 1)[-1]}(param_dtype=torch.float16)"
         elif shards and qual in AUTOCAST:
             dtype = syntax.keyword(node, "dtype")
@@ -187,6 +198,16 @@ def _fp16_sources(ctx: LintContext, shards: bool) -> Iterator[tuple[cst.Call, st
                 yield node, "torch.cuda.amp.autocast() (float16)"
             elif dtype is not None and dtype_name(ctx, dtype) in FLOAT16:
                 yield node, "float16 autocast"
+
+
+def _unused_policy(ctx: LintContext, policy: cst.Call) -> bool:
+    """`fp16_policy = MixedPrecision(param_dtype=torch.float16)` and the name never read again: a
+    policy defined beside the one the model is really given."""
+    assign = ctx.parent(policy)
+    if not isinstance(assign, cst.Assign) or len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+        return False
+    name = assign.targets[0].target
+    return not any(node.value == name.value and node is not name for node in ctx.nodes(cst.Name))
 
 
 def _has_other_scaler(ctx: LintContext) -> bool:
