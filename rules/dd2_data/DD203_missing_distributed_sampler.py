@@ -52,7 +52,9 @@ class MissingDistributedSampler(Rule):
       full set on every rank is wasteful but not wrong, and common on purpose;
     - the loader takes `**kwargs` (a sampler may be in them), or a framework shards loaders
       (accelerate, Lightning, DeepSpeed, Ray Train, ...);
-    - the loader is never seen feeding a loop that calls `backward()`;
+    - the loader is never seen feeding a loop that calls `backward()`, or only through `next()`
+      in a step-counted loop (nanoGPT style: no epochs, and the source is often a random or
+      streaming dataset of another module, which this file cannot see);
     - the loader is built in a trial-run branch (`if args.mini_run:`, `if debug:`) while the same
       loader variable is built elsewhere in the file with a sampler that shards by rank (given
       `num_replicas=`/`rank=`, or a `DistributedSampler`): the real run is sharded.
@@ -204,6 +206,19 @@ class MissingDistributedSampler(Rule):
     valid = (
         Example(
             """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+            from mydata import RandomCutouts  # draws a random sample whatever the index
+
+            model = DDP(Net().cuda())
+            batches = iter(DataLoader(RandomCutouts("survey.txt"), batch_size=32))
+            for step in range(100_000):
+                model(next(batches)).mean().backward()
+            """
+        ),
+        Example(
+            """
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
             from torch.utils.data import DataLoader
@@ -331,7 +346,9 @@ class MissingDistributedSampler(Rule):
         iterable_classes = _iterable_classes(ctx)
         reported: set[int] = set()
         for loop in loader_loops(ctx):
-            if not loop.trains:
+            if not loop.trains or not isinstance(loop.step.node, cst.For):
+                # Batches drawn with next() in a step-counted loop: no epochs, and the source is
+                # often a random or streaming dataset of another module. Cannot decide.
                 continue
             trace, step, iterated, loader = loop.trace, loop.step, loop.iterated, loop.loader
             call = loader.node
