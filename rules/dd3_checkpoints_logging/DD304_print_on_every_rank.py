@@ -77,7 +77,7 @@ class PrintOnEveryRank(Rule):
     rule cannot see: a project's logger that writes one file per rank and tags each line with the
     rank, `print` replaced by an imported module, stdout sent to /dev/null on other ranks by the
     repository's own launcher, a rank test stored in a config flag. Measured on the real-world
-    corpus, under half of its findings were true (the figure is printed above), far below the 0.9
+    corpus, about half of its findings were true (the figure is printed above), far below the 0.9
     a default-on rule must reach. Select it (`--extend-select DD304`) in a script whose output you
     know is not routed per rank elsewhere.
 

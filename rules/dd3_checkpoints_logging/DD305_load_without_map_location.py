@@ -60,7 +60,7 @@ class LoadWithoutMapLocation(Rule):
     does not say: on real training code most loads without `map_location` read CPU tensors (cached
     features, preprocessed datasets, checkpoints the repository saves from `.cpu()` copies, pickled
     scheduler or argument objects, buffers inside `broadcast_object` helpers), and load nothing
-    onto a GPU. Measured on the real-world corpus, about a quarter of its findings were true (the
+    onto a GPU. Measured on the real-world corpus, about two in five of its findings were true (the
     figure is printed above). Select it (`--extend-select DD305`) where checkpoints are saved
     straight from CUDA tensors.
 
