@@ -139,6 +139,37 @@ class ClipOrder(Rule):
     )
     valid = (
         Example(
+            # The step of the other branch does not run before this clip.
+            """
+            import torch
+
+            class TrainLoop:
+                def __init__(self, model, use_fp16):
+                    self.model = torch.nn.parallel.DistributedDataParallel(model.cuda())
+                    self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+                    self.use_fp16 = use_fp16
+
+                def run_step(self, batch):
+                    self.opt.zero_grad()
+                    self.model(batch).mean().backward()
+                    if self.use_fp16:
+                        self.optimize_fp16()
+                    else:
+                        self.optimize_normal()
+
+                def optimize_fp16(self):
+                    self.opt.step()
+
+                def optimize_normal(self):
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                    self.opt.step()
+
+                def run(self, loader):
+                    for batch in loader:
+                        self.run_step(batch)
+            """
+        ),
+        Example(
             # The remainder of an accumulation window, flushed after the loop: its backward
             # passes came after the loop's last step.
             """
@@ -247,12 +278,18 @@ class ClipOrder(Rule):
             if not step.loops:
                 continue
             events = _events(ctx, trace, step.loops[-1])
-            here = next((i for i, (s, c, _) in enumerate(events) if c is call), None)
+            here = next((i for i, (s, c, _) in enumerate(events) if c is call and s is step), None)
             if here is None:
                 continue
             # An event in a block that ends in `continue` (or leaves the loop) is not followed by
             # the clip in the same iteration: `if skipped: optimizer.zero_grad(); continue`.
-            kept = [(s, kind) for s, c, kind in events[:here] if not _cut_off(ctx, s.node, call, step.loops[-1])]
+            # An event in the other branch of an `if` the clip is in (`if fp16: optimize_fp16()
+            # else: optimize_normal()`) does not run before it in the same pass.
+            kept = [
+                (s, kind)
+                for s, c, kind in events[:here]
+                if not _cut_off(ctx, s.node, call, step.loops[-1]) and not s.excludes(step)
+            ]
             before = [kind for _, kind in kept]
             after = [kind for _, _, kind in events[here + 1 :]]
             backward_kinds = (BACKWARD, SCALED_BACKWARD)

@@ -289,6 +289,26 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # Saved once per node and read back by every rank after a barrier: with storage local
+            # to each node, each node needs its own copy.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(local_rank), device_ids=[local_rank])
+            for epoch in range(epochs):
+                train(model)
+                if local_rank == 0:
+                    torch.save({"model_state": model.state_dict()}, "%s/epoch_%d.pth" % (out, epoch))
+                dist.barrier()
+                state = torch.load("%s/epoch_%d.pth" % (out, epoch), map_location={"cuda:0": "cuda:%d" % local_rank})
+                model.load_state_dict(state["model_state"])
+            """
+        ),
+        Example(
             # The `else` of a module-level "is this distributed?" flag, tested in a function.
             """
             import os
@@ -744,15 +764,32 @@ def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression
     """torchrun's fault-tolerance pattern: a snapshot saved once per node (local rank 0) to a path
     that every rank loads back when the job restarts (`if os.path.exists(snapshot_path):
     load(snapshot_path)`). With storage local to each node, each node needs its own copy: the
-    local-rank guard is the design, not a slip. Matched by the path's name."""
-    name = (dotted(path) or "").rsplit(".", 1)[-1] if path is not None else ""
-    if not name:
+    local-rank guard is the design, not a slip. The same holds for a checkpoint every rank loads
+    back after a barrier (`torch.save(..., "%s/epoch_%d.pth" % (out, epoch))` on local rank 0,
+    then `model.load_state_dict(torch.load("%s/epoch_%d.pth" % (out, epoch), ...))` on all).
+    Matched by the path's name, or by the same path expression."""
+    key = _path_key(ctx, path)
+    if not key:
         return False
     for trace, step, call in ctx.calls(LOAD):
         loaded = syntax.argument(call, 0, "f")
-        if loaded is not None and (dotted(loaded) or "").rsplit(".", 1)[-1] == name and not ctx.rank_guards(trace, step, uncertain=True):
+        if loaded is not None and _path_key(ctx, loaded) == key and not ctx.rank_guards(trace, step, uncertain=True):
             return True
     return False
+
+
+def _path_key(ctx: LintContext, path: cst.BaseExpression | None) -> str:
+    """A name's last part (`self.snapshot_path` -> `snapshot_path`), else the text of an
+    expression that spells the file (`"%s/epoch_%d.pth" % (out, epoch)`); `str(path)` in two
+    helpers names nothing in particular."""
+    if path is None:
+        return ""
+    name = dotted(path)
+    if name is not None:
+        return name.rsplit(".", 1)[-1]
+    if not any(isinstance(node, (cst.SimpleString, cst.FormattedString)) for node in syntax.walk(path)):
+        return ""
+    return "".join(ctx.code(path).split())
 
 
 def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
