@@ -22,7 +22,9 @@ HVD_INIT = "horovod.torch.init"
 # Launch helpers of other modules (`utils.init_distributed_mode(args)`) usually pick the device.
 SETUP_HELPER = re.compile(r"(init|setup|set_?up).*(dist|device|gpu|ddp|cuda|process|env)|set_device", re.IGNORECASE)
 # The device may be pinned from outside: one visible GPU per task.
-OUTSIDE_PINNING = ("CUDA_VISIBLE_DEVICES", "SLURM")
+# Where the device is pinned outside the script, or each process runs on its own machine
+# (SageMaker's `current_host` among `hosts`).
+OUTSIDE_PINNING = ("CUDA_VISIBLE_DEVICES", "SLURM", "current_host")
 
 
 class MissingSetDevice(Rule):
@@ -42,7 +44,10 @@ class MissingSetDevice(Rule):
     (accelerate, Lightning, DeepSpeed), `CUDA_VISIBLE_DEVICES` or SLURM's per-task GPU binding, a
     project base class's method called through `super()`, or a helper that nothing in the file
     calls (a utils module's `distributed_init(opts)`, whose caller may select the device first) —
-    and for current-device calls that run on rank 0 only.
+    and for current-device calls that run on rank 0 only. The process group must surely run NCCL
+    (`backend="nccl"`, or no backend): a backend the user chooses (`backend=args.backend`, gloo
+    by default) is the mark of examples run one process per pod or host (Kubeflow's PyTorchJob,
+    SageMaker's `current_host`), where `"cuda"` is the process's only GPU.
 
     ## Why is this bad?
     Every process starts with GPU 0 as its current device. Without `set_device`, all ranks of a
@@ -135,6 +140,20 @@ class MissingSetDevice(Rule):
         ),
     )
     valid = (
+        Example(
+            """
+            import argparse
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--backend", choices=["gloo", "nccl", "mpi"], default="gloo")
+            args = parser.parse_args()
+            dist.init_process_group(backend=args.backend)  # one replica per pod, one GPU each
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            model = torch.nn.parallel.DistributedDataParallel(Net().to(device))
+            """
+        ),
         Example(
             """
             import os
@@ -250,7 +269,19 @@ class MissingSetDevice(Rule):
 
 
 def _initialises_here(ctx: LintContext) -> bool:
-    return any(True for _ in ctx.calls(INIT_PROCESS_GROUP, HVD_INIT))
+    """Horovod, or a torch process group that surely runs NCCL: `backend="nccl"` or no backend
+    (torch picks NCCL for CUDA). A backend the user chooses (`backend=args.backend`, gloo by
+    default in the Kubeflow and SageMaker examples, one process per pod or host) cannot be decided."""
+    if any(True for _ in ctx.calls(HVD_INIT)):
+        return True
+    for _, _, call in ctx.calls(INIT_PROCESS_GROUP):
+        backend = syntax.argument(call, 0, "backend")
+        if backend is None:
+            return True
+        known, value = syntax.const_value(backend)
+        if known and isinstance(value, str) and "nccl" in value.lower():
+            return True
+    return False
 
 
 def _initialising_traces(ctx: LintContext) -> set[int]:
