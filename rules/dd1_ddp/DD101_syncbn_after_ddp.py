@@ -133,6 +133,42 @@ class SyncBatchNormAfterDDP(Rule):
     )
     valid = (
         Example(
+            # Each phase converts then wraps the model it is given; the previous phase's
+            # wrapper is not what this phase converts.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def _net_to_device(self):
+                    self.net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+                    self.net = DDP(self.net, device_ids=[0])
+
+                def train(self, model):
+                    self.net = model
+                    self._net_to_device()
+                    for batch in loader:
+                        self.net(batch).sum().backward()
+
+                def test(self, model=None):
+                    keep_model = self.net
+                    if model is not None:
+                        self.net = model
+                    else:
+                        existing = self.net
+                        self.net = existing
+                    self._net_to_device()
+                    self.net = keep_model  # back to the trained wrapper for more training
+
+                def calibrate(self, model):
+                    self.train(model)
+                    self.test(model)
+                    self.train(model)
+
+            Trainer().calibrate(build())
+            """
+        ),
+        Example(
             # The wrap in a branch that returns is not on the path to the conversion below it.
             """
             import os
@@ -216,7 +252,7 @@ class SyncBatchNormAfterDDP(Rule):
             if target is None:
                 continue
             wrapper = _wrapper_of(trace, step, target)
-            if wrapper is None:
+            if wrapper is None or _wrapped_by_an_earlier_call_of_this_function(trace, step, wrapper):
                 continue
             wrap_line = ctx.position(wrapper.node).start.line
             at = _line_to_change(ctx, trace, step, call, wrapper)
@@ -227,6 +263,22 @@ class SyncBatchNormAfterDDP(Rule):
                 f"wrap: move this conversion above line {wrap_line}.",
                 fix=_move_above_wrap(ctx, trace, step, call, wrapper) if at is call else None,
             )
+
+
+def _wrapped_by_an_earlier_call_of_this_function(trace: Trace, step: Step, wrapper: Value) -> bool:
+    """The wrap ran in an earlier call of the very function that converts (`_net_to_device()`:
+    convert, then wrap, run once per phase of a trainer). Within each call the order is right;
+    what a previous call wrapped is not what this call converts before wrapping again."""
+    wrap_step = None
+    for candidate in trace.steps:
+        if candidate is step:
+            break
+        if any(c is wrapper.node for c in syntax.own_calls(candidate.node)):
+            wrap_step = candidate
+    if wrap_step is None or wrap_step.frame is step.frame:
+        return False
+    function = step.frame.function
+    return function is not None and wrap_step.frame.function is function
 
 
 def _line_to_change(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, wrapper: Value) -> cst.CSTNode:
