@@ -35,7 +35,9 @@ class MissingSetEpoch(Rule):
     in scripts driven by a framework that calls `set_epoch` itself (Lightning, accelerate), and
     when the sampler itself is handed to a function of another module, which may call
     `set_epoch` where distdoctor cannot see it. A loader handed to such a function is still
-    reported: iterating it is what that function is for.
+    reported: iterating it is what that function is for. DGL's loaders built with
+    `use_ddp=True` are not reported either: since DGL 0.8 they split the ids by rank once and
+    reshuffle each rank's part every epoch by themselves, with or without `set_epoch()`.
 
     ## Example
     ```python
