@@ -186,8 +186,7 @@ class CompileBeforeDDP(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if _ddp_optimizer_off(ctx):
-            return  # no graph split at bucket boundaries in either order: the advice gains nothing
+        optimizer_off: bool | None = None  # read from the whole tree only once there is a finding
         for trace, step, call in ctx.calls(DDP):
             wrapped = syntax.argument(call, 0, "module")
             if wrapped is None:
@@ -195,6 +194,10 @@ class CompileBeforeDDP(Rule):
             compiled = _compile_call(ctx, trace, step, wrapped, 0)
             if compiled is None or _dead(ctx, trace, _step_of(trace, compiled)):
                 continue
+            if optimizer_off is None:
+                optimizer_off = _ddp_optimizer_off(ctx)
+            if optimizer_off:
+                return  # no graph split at bucket boundaries in either order: the advice gains nothing
             yield Report(
                 compiled,
                 "torch.compile runs before the model is wrapped in DistributedDataParallel: wrap first and compile "

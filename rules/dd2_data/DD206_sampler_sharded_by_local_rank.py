@@ -170,6 +170,9 @@ class SamplerShardedByLocalRank(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        # From the call index first: most files that say `world_size` build no sampler at all.
+        if not (ctx.may_call(*frameworks.SAMPLER_QUALS) or any(_own_sampler(q) for q in ctx.called_qualnames)):
+            return
         if pinned_to_localhost(ctx):
             return
         for trace, step, call in ctx.calls(*frameworks.SAMPLER_QUALS):

@@ -159,6 +159,8 @@ class LintContext:
     def calls_matching(self, wanted: Callable[[str], bool]) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """Calls on the code path whose callee's qualified name `wanted` accepts (a project's own
         `DistMultiTaskBatchSampler`, found by what its name says), with their trace and step."""
+        if not any(wanted(qual) for qual in self.called_qualnames):
+            return  # answered from the call index: no trace needs building to say so
         calls, positions = self._qualified_calls
         found = [index for qual, where in positions.items() if wanted(qual) for index in where]
         for index in sorted(found):
