@@ -269,12 +269,7 @@ def _wrapped_by_an_earlier_call_of_this_function(trace: Trace, step: Step, wrapp
     """The wrap ran in an earlier call of the very function that converts (`_net_to_device()`:
     convert, then wrap, run once per phase of a trainer). Within each call the order is right;
     what a previous call wrapped is not what this call converts before wrapping again."""
-    wrap_step = None
-    for candidate in trace.steps:
-        if candidate is step:
-            break
-        if any(c is wrapper.node for c in syntax.own_calls(candidate.node)):
-            wrap_step = candidate
+    wrap_step = trace.last_step_before(wrapper.node, step)
     if wrap_step is None or wrap_step.frame is step.frame:
         return False
     function = step.frame.function

@@ -358,7 +358,7 @@ class MissingDistributedSampler(Rule):
                 continue
             # Its arguments mean what they meant where the loader was made (`get_dataloaders()`
             # returns it to the loop: its `train_ds` is not a name of the loop's function).
-            step = _binding_step(trace, call, step, made_by=True) or step
+            step = trace.last_step_before(call, step) or step
             if _given(trace, step, syntax.argument(call, 3, "sampler")) or _given(trace, step, syntax.argument(call, 4, "batch_sampler")):
                 continue
             if says_eval(loader.name) or says_eval(dotted(iterated) or ""):
@@ -493,23 +493,11 @@ def _sharded_or_iterable(
             if bound is not None:
                 # `ds = ds.select(...)`: the names on the right hold what they held before that
                 # assignment (`ds = ds.shard(num_shards=world, index=rank)` one line up).
-                at = _binding_step(trace, value.node, step) or step
+                at = trace.last_step_before(value.node, step) or step
                 return _mentions_sharding(ctx, trace, at, bound, iterable_classes, depth)
     if isinstance(expr, cst.Name) and value is None:
         return bool(iterable_classes)  # a parameter of unknown origin
     return _mentions_sharding(ctx, trace, step, expr, iterable_classes, depth)
-
-
-def _binding_step(trace: Trace, node: cst.CSTNode | None, before: Step, made_by: bool = False) -> Step | None:
-    """The last step before `before`, in `trace`, that is the statement `node` (or, `made_by`,
-    whose statement makes the call `node`)."""
-    found = None
-    for candidate in trace.steps:
-        if candidate is before:
-            break
-        if candidate.node is node or made_by and any(call is node for call in syntax.own_calls(candidate.node)):
-            found = candidate
-    return found
 
 
 def _mentions_sharding(

@@ -129,6 +129,17 @@ class Trace:
             for call in own_calls(step.node):
                 yield step, call
 
+    def last_step_before(self, node: cst.CSTNode | None, before: Step) -> Step | None:
+        """The last run, before `before`, of the statement `node` or of the statement that makes
+        the call `node` (a function inlined from several call sites runs its statements again)."""
+        found = None
+        for step in self.steps:
+            if step is before:
+                break
+            if step.node is node or any(call is node for call in own_calls(step.node)):
+                found = step
+        return found
+
     def only_in_other_branches(self, step: Step, wanted: Callable[[cst.Call], bool]) -> bool:
         """Whether some step makes a call `wanted` accepts, and every such step sits in another
         branch than `step` (see `Step.excludes`): where `step` runs, that call never ran."""
