@@ -265,10 +265,10 @@ class InitHardcodedRank(Rule):
             world = trace.value(world_expr, step) if world_expr is not None else None
             if (
                 rank_expr is not None
-                and _literal_rank(trace, step, rank_expr)
+                and (literal := _literal_rank(trace, step, rank_expr)) is not None
                 and not _is_one(world)
                 and not _process_target_parameter(ctx, step, rank_expr)
-                and not (_is_zero(rank_expr, trace, step) and _starts_worker_processes(ctx))
+                and not (literal == 0 and _starts_worker_processes(ctx))
             ):
                 reported.add(id(call))
                 yield Report(
@@ -296,14 +296,6 @@ class InitHardcodedRank(Rule):
             )
 
 
-def _is_zero(expr: cst.BaseExpression, trace: Trace, step: Step) -> bool:
-    known, value = syntax.const_value(expr)
-    if not known:
-        bound = trace.value(expr, step) if isinstance(expr, (cst.Name, cst.Attribute)) else None
-        known, value = (bound is not None and bound.kind == kinds.CONST), (bound.attrs.get("value") if bound is not None else None)
-    return known and value == 0 and not isinstance(value, bool)
-
-
 def _starts_worker_processes(ctx: LintContext) -> bool:
     """The script starts worker processes itself with `Process(target=...)`: the process that
     calls `init_process_group(rank=0)` is the parent (a parameter server or coordinator) and the
@@ -311,13 +303,14 @@ def _starts_worker_processes(ctx: LintContext) -> bool:
     return any(qual in ("torch.multiprocessing.Process", "multiprocessing.Process") for qual in ctx.called_qualnames)
 
 
-def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> bool:
+def _literal_rank(trace: Trace, step: Step, expr: cst.BaseExpression) -> int | None:
+    """The non-negative integer `expr` is, written there or bound to a name, else None."""
     known, value = syntax.const_value(expr)
     if not known and isinstance(expr, (cst.Name, cst.Attribute)):
         bound = trace.value(expr, step)
         if bound is not None and bound.kind == kinds.CONST and isinstance(bound.node, cst.Integer):
             known, value = True, bound.attrs.get("value")
-    return known and isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if known and isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _process_target_parameter(ctx: LintContext, step: Step, expr: cst.BaseExpression) -> bool:
