@@ -250,6 +250,29 @@ class InitHardcodedRank(Rule):
             dist.init_process_group("gloo", rank=0, world_size=WORLD)
             """
         ),
+        Example(
+            # `worker(0, args)` is the run without a launcher: there `args.distributed` is false,
+            # and the worker starts no process group. The two tests of the flag are one condition.
+            """
+            import os
+            import torch.distributed as dist
+
+            def worker(gpu, args):
+                args.rank = gpu
+                if args.distributed:
+                    dist.init_process_group("nccl", init_method="env://", rank=args.rank, world_size=args.world_size)
+                train(args)
+
+            if __name__ == "__main__":
+                args = parse_args()
+                args.distributed = "WORLD_SIZE" in os.environ
+                if args.distributed:
+                    args.world_size = int(os.environ["WORLD_SIZE"])
+                    worker(int(os.environ["RANK"]), args)
+                else:
+                    worker(0, args)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -258,7 +281,7 @@ class InitHardcodedRank(Rule):
         spawns = _starts_processes(ctx)
         reported: set[int] = set()
         for trace, step, call in ctx.calls(INIT):
-            if id(call) in reported:
+            if id(call) in reported or step.infeasible:
                 continue
             rank_expr = syntax.argument(call, 4, "rank")
             world_expr = syntax.argument(call, 3, "world_size")

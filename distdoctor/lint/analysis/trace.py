@@ -41,8 +41,9 @@ class Guard:
     # What the test's calls to functions of the module returned: `if master_process():`.
     results: Mapping[int, Value | None] = field(default_factory=dict, compare=False)
     # For a flag test (`if ddp:`), the node whose value the flag held there: two tests of one
-    # module-level flag, in different functions, are one condition.
-    flag_source: int | None = field(default=None, compare=False)
+    # module-level flag, in different functions, are one condition. For a flag bound nowhere on
+    # the path, its text.
+    flag_source: int | str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +64,19 @@ class Step:
 
     def in_loop(self, loop: cst.CSTNode) -> bool:
         return any(enclosing is loop for enclosing in self.loops)
+
+    @property
+    def infeasible(self) -> bool:
+        """Whether the step's own conditions contradict each other: it sits under `if ddp:` and
+        under the `else` of another test of the same flag (`if args.distributed:
+        worker(local_rank) else: worker(0)`, and `worker` tests `args.distributed` again before
+        `init_process_group(rank=gpu)`). On this path it never runs."""
+        sides: dict[object, bool] = {}
+        for guard in self.guards:
+            for key, negated in _condition_keys(guard):
+                if sides.setdefault(key, negated) != negated:
+                    return True
+        return False
 
     def excludes(self, other: Step) -> bool:
         """Whether the two steps sit in different branches of one `if` (`if cmd == "train": ...
@@ -197,7 +211,12 @@ class _Builder:
         source = None
         if flag is not None:
             held = lookup(self.env, flag[0], frame)
-            source = id(held.node) if held is not None and held.node is not None else None
+            if held is None:
+                # Bound nowhere on the path (`opt.multiprocessing_distributed`, a parsed flag the
+                # file never assigns): every test of it, in any function, reads the one value.
+                source = flag[0]
+            elif held.node is not None:
+                source = id(held.node)
         return Guard(test, negated, frame, results, source)
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
