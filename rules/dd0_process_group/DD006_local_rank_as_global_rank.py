@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, syntax
+from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.locality import local_rank_source, one_node_size, pinned_to_localhost
+from distdoctor.lint.analysis.locality import LOCALHOST, local_rank_source, one_node_size, pinned_to_localhost
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -23,8 +23,9 @@ class LocalRankAsGlobalRank(Rule):
 
     Silent for `mp.spawn` worker indices (a one-node spawn job, where the index is the rank), when
     the world size passed is one node's process count (`torch.cuda.device_count()`,
-    `LOCAL_WORLD_SIZE`, `num_gpus`, directly or through the name it was stored in), when the
-    script pins `MASTER_ADDR` to this machine (`os.environ["MASTER_ADDR"] = "localhost"`, not as a
+    `LOCAL_WORLD_SIZE`, `num_gpus`, directly or through the name it was stored in) or a number
+    fixed in the script (`WORLD_SIZE = 4`, written for one launch shape), when the peers meet on
+    this machine (`init_method="tcp://127.0.0.1:23456"`), when the script pins `MASTER_ADDR` to this machine (`os.environ["MASTER_ADDR"] = "localhost"`, not as a
     fallback under `if "MASTER_ADDR" not in os.environ`), and when the rank expression adds a node
     offset (`node_rank * nproc + local_rank`).
 
@@ -125,6 +126,31 @@ class LocalRankAsGlobalRank(Rule):
             dist.init_process_group("nccl", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
             """
         ),
+        Example(
+            # The peers meet on this machine: the job cannot span nodes.
+            """
+            import os
+            import torch.distributed as dist
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group(
+                "nccl", init_method="tcp://localhost:23456", rank=local_rank, world_size=int(os.environ["WORLD_SIZE"])
+            )
+            """
+        ),
+        Example(
+            # A process count fixed in the script, written for `--nproc_per_node=4`.
+            """
+            import argparse
+            import torch.distributed as dist
+
+            PROCESSES = 4
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int)
+            args = parser.parse_args()
+            dist.init_process_group("gloo", init_method="file:///tmp/rendezvous", rank=args.local_rank, world_size=PROCESSES)
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -145,4 +171,17 @@ class LocalRankAsGlobalRank(Rule):
 
 
 def _one_node(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
-    return one_node_size(ctx, trace, step, syntax.argument(call, 3, "world_size"), 0)
+    """The call itself says the job has one node: its world size is one node's process count
+    or a number fixed in the script (`WORLD_SIZE = 4`, written for `--nproc_per_node=4`), or
+    it meets its peers on this machine (`init_method="tcp://127.0.0.1:23334"`)."""
+    world = syntax.argument(call, 3, "world_size")
+    if one_node_size(ctx, trace, step, world, 0):
+        return True
+    size = trace.value(world, step) if world is not None else None
+    if size is not None and size.kind == kinds.CONST and isinstance(size.attrs.get("value"), int):
+        return True
+    method_expr = syntax.argument(call, 1, "init_method")
+    known, method = syntax.const_value(method_expr) if method_expr is not None else (False, None)
+    if known and isinstance(method, str) and method.startswith("tcp://"):
+        return method[len("tcp://"):].rsplit(":", 1)[0].strip("[]") in LOCALHOST
+    return False
