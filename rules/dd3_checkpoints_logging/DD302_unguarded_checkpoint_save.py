@@ -709,6 +709,44 @@ class UnguardedCheckpointSave(Rule):
                     torch.save(model.module.state_dict(), "model.pt")
             """
         ),
+        Example(
+            # A predicate of another module of the project, asked of nothing but this process:
+            # it may well say "rank 0", which this file cannot tell.
+            """
+            import torch
+            import torch.distributed as dist
+            from utils.distributed import primary
+
+            def save_state(model, name):
+                torch.save(model.module.state_dict(), f"{name}.pt")
+
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for step in range(1000):
+                train_step(model)
+                if primary() and step % 100 == 0:
+                    save_state(model, str(step))
+            """
+        ),
+        Example(
+            # The spawn index modulo the processes of one node is the index: rank 0 of a one-node job.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+            def worker(gpu, ngpus_per_node, opt):
+                opt.rank = gpu
+                dist.init_process_group("nccl", init_method=opt.dist_url, world_size=ngpus_per_node, rank=opt.rank)
+                model = torch.nn.parallel.DistributedDataParallel(Net().cuda(gpu), device_ids=[gpu])
+                for epoch in range(opt.epochs):
+                    train(model)
+                    if opt.rank % ngpus_per_node == 0:
+                        torch.save(model.module.state_dict(), "model.pt")
+
+            mp.spawn(worker, nprocs=torch.cuda.device_count(), args=(torch.cuda.device_count(), opt))
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:

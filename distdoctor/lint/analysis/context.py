@@ -265,12 +265,24 @@ class LintContext:
         for guard in step.guards:
             value = evaluate.Evaluator(self.info, step.env, guard.frame, guard.results).eval(guard.test)
             if value is None or value.kind != kinds.RANK_TEST:
+                if uncertain and self._opaque_predicate(guard.test):
+                    found.append(RankGuard(guard, True, False, False))
                 continue
             ranks = value.attrs.get("false" if guard.negated else "true")
             if ranks is None or (not ranks.certain and not uncertain):
                 continue
             found.append(RankGuard(guard, ranks.zero, _tests_local_rank(guard.test, self, step), ranks.certain))
         return found
+
+    def _opaque_predicate(self, test: cst.BaseExpression) -> bool:
+        """`if primary():`, `if not utils.is_writer() and ...`: a test that asks a function of
+        another module of the project about nothing but the process it runs in. It may well
+        say "rank 0"; this file cannot tell."""
+        if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+            return self._opaque_predicate(test.expression)
+        if isinstance(test, cst.BooleanOperation):
+            return self._opaque_predicate(test.left) or self._opaque_predicate(test.right)
+        return isinstance(test, cst.Call) and not test.args and evaluate.project_module(self.qualname(test.func) or "")
 
     def loop_roles(self, trace: Trace) -> dict[int, str]:
         """id(loop) -> "training" / "evaluation" / "search" for the loops of `trace` (see

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import re
+import sys
 
 import libcst as cst
 
@@ -200,6 +201,9 @@ class Evaluator:
         right = self.eval(node.right)
         if isinstance(node.operator, cst.Modulo) and left is not None and left.kind == RANK:
             return Value(LOCAL_RANK, node, origin="modulo")
+        if isinstance(node.operator, cst.Modulo) and left is not None and left.kind == LOCAL_RANK:
+            # `gpu % ngpus_per_node`: a local rank already is below the count of one node.
+            return Value(LOCAL_RANK, node, origin=left.origin, name=left.name)
         if isinstance(node.operator, (cst.Add, cst.Multiply)):
             kinds = {v.kind for v in (left, right) if v is not None}
             if NODE_RANK in kinds and isinstance(node.operator, cst.Multiply):
@@ -387,6 +391,23 @@ _MULTI_PROCESS_NAME = re.compile(
 # Calls that tell whether a process group is running: `dist.is_initialized()`, DETR's helper.
 _MULTI_PROCESS_CALLS = frozenset({"is_initialized", "is_dist_avail_and_initialized", "is_distributed", "is_dist_initialized"})
 _WORLD_SIZE_NAMES = frozenset({"world_size", "num_processes", "nprocs", "num_replicas", "n_procs", "ddp_world_size"})
+
+
+# Widely used libraries beside those: their functions are not the project's own helpers.
+_NOT_PROJECT = frozenset(
+    {"builtins", "torchvision", "torchaudio", "torchtext", "tqdm", "wandb", "sklearn", "scipy", "pandas", "PIL", "cv2",
+     "matplotlib", "tensorboardX", "yaml", "omegaconf", "hydra", "einops", "timm", "mmcv", "mmengine", "mmdet",
+     "detectron2", "fvcore", "dgl", "torch_geometric", "datasets", "evaluate", "torchmetrics", "peft", "diffusers",
+     "sentencepiece", "tokenizers", "h5py", "lmdb", "imageio", "skimage", "librosa", "soundfile", "nltk", "spacy",
+     "mlflow", "comet_ml", "neptune", "tensorboard", "absl", "ml_collections", "gym", "gymnasium", "open_clip", "clip"}
+)
+
+
+def project_module(qual: str) -> bool:
+    """Whether `qual` names something of the project's own modules: not the standard library, not
+    a library whose zero-argument calls say nothing of ranks."""
+    root = qual.split(".", 1)[0]
+    return "." in qual and root not in sys.stdlib_module_names and root not in LIBRARIES_BY_API and root not in _NOT_PROJECT
 
 
 def _by_name(name: str, node: cst.CSTNode, origin: str, text: str | None = None) -> Value | None:
