@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, guarded_calls, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, guarded_calls, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext, _assigned_names
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.names import dotted
@@ -286,6 +286,48 @@ class MetricNotReduced(Rule):
                     print("saving " + path + f" after loss {loss.item()}")
             """
         ),
+        Example(
+            # A calibration pass over a sharded loader computes no metric: the batch it moves to
+            # the device is not what the training loop's accuracy is made of.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            calibration = DataLoader(data, sampler=DistributedSampler(data))
+            with torch.no_grad():
+                for inputs, _ in calibration:
+                    inputs = inputs.to(device)
+                    model(inputs)
+            for epoch in range(epochs):
+                correct = 0
+                for inputs, labels in train_loader:
+                    outputs = model(inputs)
+                    criterion(outputs, labels).backward()
+                    optimizer.step()
+                    correct += (outputs.argmax(1) == labels).sum().item()
+                if dist.get_rank() == 0:
+                    print(f"train accuracy {correct}")
+            """
+        ),
+        Example(
+            # The sums go through a helper of the project's own utils, which may all-reduce them.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+            from utils.util import sum_main
+
+            def evaluate(model, dataset, args):
+                loader = DataLoader(dataset, sampler=DistributedSampler(dataset, shuffle=False))
+                correct = torch.zeros(1)
+                for inputs, labels in loader:
+                    correct += (model(inputs).argmax(1) == labels).sum()
+                correct = sum_main(correct, args)
+                if dist.get_rank() == 0:
+                    print(f"accuracy {correct.item() / len(dataset)}")
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -328,7 +370,7 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
             break
         if any(_reduces(ctx, call, BATCH_REDUCING_NAME) for call in syntax.own_calls(other.node)):
             return  # reduced batch by batch inside the loop (`dist.all_reduce(correct)`)
-        seeds |= {(other.frame.id, name) for name in _assigned_names(other.node)}
+        seeds |= {(other.frame.id, name) for name in _accumulated_names(other.node)}
         for call in syntax.own_calls(other.node):
             # `losses.append(...)`, `meter.update(...)`: accumulators mutated in place.
             if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("append", "extend", "update", "add", "add_", "add_batch"):
@@ -345,6 +387,8 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
         for call in syntax.own_calls(later.node):
             if _reduces(ctx, call):
                 return
+            if uses and evaluate.project_module(ctx.qualname(call.func) or ""):
+                return  # `sum_main(correct, args)` from the project's utils: it may all-reduce; cannot tell
         if not uses or not ctx.under_rank_zero(trace, later):
             continue
         for call in syntax.own_calls(later.node):
@@ -355,6 +399,34 @@ def _unreduced_reports(ctx: LintContext, trace: Trace, loop_step: Step) -> Itera
                     "set) and is reported without an all-reduce: `dist.all_reduce` the sums (or counts) first.",
                 )
                 return
+
+
+def _accumulated_names(node: cst.CSTNode) -> set[str]:
+    """The names a statement of the loop accumulates into: `correct += ...`, `preds =
+    torch.cat([preds, out])`, `results[key] = ...`. A name bound afresh each batch
+    (`inputs = inputs.to(device)`, the loop's own target) holds one batch, not a metric of the
+    shard."""
+    if isinstance(node, cst.AugAssign):
+        return _assigned_names(node)
+    if not isinstance(node, (cst.Assign, cst.AnnAssign)) or node.value is None:
+        return set()
+    read = {name.value for name in syntax.walk(node.value) if isinstance(name, cst.Name)}
+    # `inputs = inputs.to(device)` reads `inputs` to move it, not to add to it.
+    receiver = node.value
+    while isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Attribute):
+        receiver = receiver.func.value
+    moved = receiver.value if receiver is not node.value and isinstance(receiver, cst.Name) else None
+    targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+    while any(isinstance(target, (cst.Tuple, cst.List)) for target in targets):
+        targets = [
+            element.value for target in targets for element in (target.elements if isinstance(target, (cst.Tuple, cst.List)) else [])
+        ] + [target for target in targets if not isinstance(target, (cst.Tuple, cst.List))]
+    names: set[str] = set()
+    for target in targets:
+        for name in _assigned_names(cst.Assign([cst.AssignTarget(target)], cst.Name("None"))):
+            if not isinstance(target, cst.Name) or (name in read and name != moved):
+                names.add(name)
+    return names
 
 
 def _reduces(ctx: LintContext, call: cst.Call, names: re.Pattern[str] = REDUCING_NAME) -> bool:
