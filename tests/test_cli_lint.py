@@ -25,10 +25,9 @@ BAD = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    model = DDP(Net())
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     sampler = DistributedSampler(ds)
-    loader = DataLoader(ds, sampler=sampler)
+    loader = DataLoader(ds, shuffle=True, sampler=sampler)
+    model = DDP(Net())
     for epoch in range(3):
         for batch in loader:
             pass
@@ -68,7 +67,7 @@ def test_exit_status_is_zero_when_clean_and_one_with_findings(tree):
     assert run("lint", "--no-cache", str(tree / "good.py")).exit_code == 0
     result = run("lint", "--no-cache", str(tree / "bad.py"))
     assert result.exit_code == 1
-    assert f"{tree / 'bad.py'}:6:9: DD101 [error]" in result.output
+    assert f"{tree / 'bad.py'}:6:25: DD202 [error]" in result.output
     assert "DD201 [warning]" in result.output
     assert "2 fixable" in result.output
 
@@ -85,11 +84,11 @@ def test_exit_zero_and_usage_errors(tree):
 def test_json_output_is_the_documented_contract(tree):
     result = run("lint", "--no-cache", "--format", "json", str(tree / "bad.py"))
     data = json.loads(result.output)
-    assert [f["code"] for f in data] == ["DD101", "DD201"]
+    assert [f["code"] for f in data] == ["DD202", "DD201"]
     first = data[0]
     assert set(first) == {"code", "name", "severity", "message", "path", "line", "column", "end_line", "end_column", "fix"}
     assert first["path"] == str(tree / "bad.py")
-    assert (first["line"], first["column"]) == (6, 9)
+    assert (first["line"], first["column"]) == (6, 25)
     assert first["fix"]["applicable"] == "safe" and first["fix"]["edits"]
 
 
@@ -101,9 +100,9 @@ def test_sarif_output_has_rules_results_and_regions(tree):
     rules = run_["tool"]["driver"]["rules"]
     assert {"DD101", "DD201", "DD401"} <= {r["id"] for r in rules}
     first = run_["results"][0]
-    assert rules[first["ruleIndex"]]["id"] == first["ruleId"] == "DD101"
+    assert rules[first["ruleIndex"]]["id"] == first["ruleId"] == "DD202"
     region = first["locations"][0]["physicalLocation"]["region"]
-    assert region["startLine"] == 6 and region["startColumn"] == 9
+    assert region["startLine"] == 6 and region["startColumn"] == 25
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(doc, SARIF_SUBSET_SCHEMA)
 
@@ -209,8 +208,8 @@ SARIF_SUBSET_SCHEMA = {
 def test_github_annotations(tree):
     result = run("lint", "--no-cache", "--format", "github", str(tree / "bad.py"))
     first = result.output.splitlines()[0]
-    assert first.startswith(f"::error file={tree / 'bad.py'},line=6,col=9,")
-    assert "title=DD101::" in first
+    assert first.startswith(f"::error file={tree / 'bad.py'},line=6,col=25,")
+    assert "title=DD202::" in first
 
 
 def test_fix_rewrites_atomically_keeps_mode_and_is_idempotent(tree):
@@ -219,7 +218,7 @@ def test_fix_rewrites_atomically_keeps_mode_and_is_idempotent(tree):
     result = run("lint", "--no-cache", "--fix", str(bad))
     assert result.exit_code == 0, result.output
     text = bad.read_text()
-    assert text.index("convert_sync_batchnorm") < text.index("model = DDP(")
+    assert "loader = DataLoader(ds, shuffle=(sampler is None), sampler=sampler)" in text
     assert "    sampler.set_epoch(epoch)\n    for batch in loader:" in text
     assert stat.S_IMODE(bad.stat().st_mode) == 0o750
     assert not [p for p in tree.iterdir() if p.name.endswith(".distdoctor")]
@@ -239,21 +238,21 @@ def test_unparsable_file_is_dd000_and_others_are_still_linted(tree):
     (tree / "broken.py").write_text("import torch.distributed as dist\ndef f(:\n")
     result = run("lint", "--no-cache", "--format", "json", str(tree))
     codes = {(Path(f["path"]).name, f["code"]) for f in json.loads(result.output)}
-    assert ("broken.py", "DD000") in codes and ("bad.py", "DD101") in codes
+    assert ("broken.py", "DD000") in codes and ("bad.py", "DD202") in codes
     assert result.exit_code == 1
 
 
 def test_noqa_and_distdoctor_ignore_comments(tmp_path):
     source = BAD.replace(
-        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
-        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # noqa: DD101",
-    ).replace("for epoch in range(3):", "for epoch in range(3):  # distdoctor: ignore[DD201, DD101]")
+        "loader = DataLoader(ds, shuffle=True, sampler=sampler)",
+        "loader = DataLoader(ds, shuffle=True, sampler=sampler)  # noqa: DD202",
+    ).replace("for epoch in range(3):", "for epoch in range(3):  # distdoctor: ignore[DD201, DD202]")
     path = tmp_path / "t.py"
     path.write_text(source)
     assert run("lint", "--no-cache", str(path)).exit_code == 0
     unused = run("lint", "--no-cache", "--report-unused-noqa", str(path))
-    assert "unused suppression of DD101" in unused.output and unused.exit_code == 1
-    bare = BAD.replace("convert_sync_batchnorm(model)", "convert_sync_batchnorm(model)  # noqa")
+    assert "unused suppression of DD202" in unused.output and unused.exit_code == 1
+    bare = BAD.replace("sampler=sampler)\nmodel", "sampler=sampler)  # noqa\nmodel")
     path.write_text(bare)
     codes = [f["code"] for f in json.loads(run("lint", "--no-cache", "--format", "json", str(path)).output)]
     assert codes == ["DD201"]
@@ -263,9 +262,10 @@ def test_select_ignore_and_default_off_rules(tree):
     bad = str(tree / "bad.py")
     def codes(*args):
         return [f["code"] for f in json.loads(run("lint", "--no-cache", "--format", "json", *args, bad).output)]
-    assert codes("--select", "DD2") == ["DD201"]
-    assert codes("--ignore", "DD1") == ["DD201"]
-    assert codes("--select", "DD101,DD201", "--ignore", "DD201") == ["DD101"]
+    assert codes("--select", "DD2") == ["DD202", "DD201"]
+    assert codes("--ignore", "DD202") == ["DD201"]
+    assert codes("--select", "DD202,DD201", "--ignore", "DD201") == ["DD202"]
+    assert codes("--select", "DD1") == []
     hvd = tree / "hvd.py"
     hvd.write_text("import horovod.torch as hvd\noptimizer = hvd.DistributedOptimizer(optimizer)\nhvd.broadcast_parameters(model.state_dict(), root_rank=0)\n")
     def hvd_codes(*args):
@@ -277,12 +277,12 @@ def test_select_ignore_and_default_off_rules(tree):
 
 def test_pyproject_configuration_and_per_file_ignores(tree):
     (tree / "pyproject.toml").write_text(
-        '[tool.distdoctor]\nignore = ["DD201"]\nper-file-ignores = {"legacy/*" = ["DD1"]}\n'
+        '[tool.distdoctor]\nignore = ["DD201"]\nper-file-ignores = {"legacy/*" = ["DD20"]}\n'
     )
     (tree / "legacy").mkdir()
     (tree / "legacy" / "old.py").write_text(BAD)
     data = json.loads(run("lint", "--no-cache", "--format", "json", str(tree)).output)
-    assert sorted((Path(f["path"]).name, f["code"]) for f in data) == [("bad.py", "DD101")]
+    assert sorted((Path(f["path"]).name, f["code"]) for f in data) == [("bad.py", "DD202")]
     # the command line beats the file
     data = json.loads(run("lint", "--no-cache", "--format", "json", "--select", "DD201", str(tree / "bad.py")).output)
     assert [f["code"] for f in data] == []  # ignore from the file still applies to a selected code
@@ -305,14 +305,14 @@ def test_walk_skips_virtualenvs_and_gitignored_paths(tmp_path):
 
 def test_stdin(tree):
     result = run("lint", "--no-cache", "--stdin-filename", "train.py", input=BAD)
-    assert result.exit_code == 1 and "train.py:6:9: DD101" in result.output
+    assert result.exit_code == 1 and "train.py:6:25: DD202" in result.output
     fixed = run("lint", "--fix", "-", input=BAD)
     assert "sampler.set_epoch(epoch)" in fixed.output
 
 
 def test_statistics_and_rules_and_explain(tree):
     stats = run("lint", "--no-cache", "--statistics", str(tree / "bad.py"))
-    assert "DD101" in stats.output and "DD201" in stats.output
+    assert "DD202" in stats.output and "DD201" in stats.output
     listing = run("rules")
     assert "DD405" in listing.output and "off" in listing.output
     page = run("explain", "DD101").output
@@ -356,7 +356,7 @@ def test_lint_never_imports_torch(tree, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1, result.stderr  # findings in the tree: the lint ran to its end
-    assert "DD101" in result.stdout
+    assert "DD202" in result.stdout
     assert "imported torch" not in result.stderr
 
 
@@ -376,16 +376,16 @@ def test_pre_commit_hook_entry_runs_on_a_staged_bad_file(tmp_path):
         [sys.executable, "-m", "distdoctor", *argv[1:], "--no-cache", *staged],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
-    assert result.returncode == 1 and "DD101" in result.stdout
+    assert result.returncode == 1 and "DD202" in result.stdout
 
 
 def test_unreadable_files_are_dd000_findings_whatever_the_selection(tmp_path):
     (tmp_path / "latin1.py").write_bytes(b"# caf\xe9\nimport torch.distributed as dist\n")
     (tmp_path / "broken.ipynb").write_text("{not json")
     (tmp_path / "train.py").write_text(BAD)
-    data = json.loads(run("lint", "--no-cache", "--format", "json", "--select", "DD1", str(tmp_path)).output)
+    data = json.loads(run("lint", "--no-cache", "--format", "json", "--select", "DD2", str(tmp_path)).output)
     found = sorted((Path(f["path"]).name, f["code"]) for f in data)
-    assert found == [("broken.ipynb", "DD000"), ("latin1.py", "DD000"), ("train.py", "DD101")]
+    assert found == [("broken.ipynb", "DD000"), ("latin1.py", "DD000"), ("train.py", "DD201"), ("train.py", "DD202")]
     ignored = json.loads(run("lint", "--no-cache", "--format", "json", "--ignore", "DD000", str(tmp_path)).output)
     assert "DD000" not in {f["code"] for f in ignored}
 
@@ -399,9 +399,9 @@ def test_notebooks_are_linted_cell_by_cell_and_never_rewritten(tmp_path):
     notebook = tmp_path / "train.ipynb"
     notebook.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     before = notebook.read_text()
-    data = json.loads(run("lint", "--no-cache", "--format", "json", str(notebook)).output)
+    data = json.loads(run("lint", "--no-cache", "--format", "json", "--extend-select", "DD101", str(notebook)).output)
     assert [(f["code"], f["line"], f["fix"]) for f in data] == [("DD101", 6, None)]
-    assert run("lint", "--no-cache", "--fix", str(notebook)).exit_code == 1
+    assert run("lint", "--no-cache", "--fix", "--extend-select", "DD101", str(notebook)).exit_code == 1
     assert notebook.read_text() == before
 
 
