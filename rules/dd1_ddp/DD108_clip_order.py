@@ -271,6 +271,30 @@ class ClipOrder(Rule):
                 optimizer.zero_grad()
             """
         ),
+        Example(
+            # Retries of one batch: the inner loop's `break` follows a fresh backward() and leads
+            # to the clip; the zero_grad of a failed try is followed by another try, or by no step.
+            """
+            import torch
+            import torch.distributed as dist
+
+            optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+            for batch in loader:
+                computed = False
+                for attempt in range(3):
+                    try:
+                        loss = model(batch).mean()
+                        loss.backward()
+                        computed = True
+                        break
+                    except RuntimeError:
+                        optimizer.zero_grad()
+                if computed:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
@@ -376,8 +400,8 @@ def _cut_off(ctx: LintContext, node: cst.CSTNode, clip: cst.Call, loop: cst.CSTN
     while cur is not None:
         holds_clip.add(id(cur))
         cur = ctx.parent(cur)
-    found: list[tuple[type, bool]] = []  # (terminator, inside a loop nested in `loop`)
-    nested = False
+    found: list[tuple[type, int]] = []  # (terminator, loops nested in `loop` passed before it was met)
+    nested = 0
     reached_loop = False
     cur = node
     while True:
@@ -388,7 +412,7 @@ def _cut_off(ctx: LintContext, node: cst.CSTNode, clip: cst.Call, loop: cst.CSTN
             reached_loop = True
             break
         if isinstance(parent, (cst.For, cst.While)):
-            nested = True
+            nested += 1
         if isinstance(parent, cst.IndentedBlock) and id(parent) not in holds_clip and parent.body:
             last = parent.body[-1]
             if isinstance(last, cst.SimpleStatementLine):
@@ -396,12 +420,14 @@ def _cut_off(ctx: LintContext, node: cst.CSTNode, clip: cst.Call, loop: cst.CSTN
                     if isinstance(small, (cst.Continue, cst.Break, cst.Return, cst.Raise)):
                         found.append((type(small), nested))
         cur = parent
-    for kind, in_nested in found:
+    for kind, loops_before in found:
         if kind is cst.Raise:
             return True
         if kind is cst.Return and reached_loop:
             return True
-        if kind in (cst.Continue, cst.Break) and reached_loop and not in_nested:
+        # A `break` or `continue` met before an inner loop was passed belongs to that inner loop:
+        # it leaves the inner loop towards the clip, not the iteration the clip is in.
+        if kind in (cst.Continue, cst.Break) and reached_loop and loops_before == nested:
             return True
     return False
 
