@@ -127,6 +127,29 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # The last call passes save_cur=True on every rank: only its branch of the helper runs there;
+            # the other save is reached from the rank-0 call alone.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def save_checkpoint(model, epoch, save_cur=False):
+                state = {"model": model.module.state_dict(), "epoch": epoch}
+                if save_cur:
+                    torch.save(state, "last.pt")  # expect: DD302
+                elif epoch % 10 == 0:
+                    torch.save(state, f"epoch_{epoch}.pt")
+
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(100):
+                train(model)
+                if dist.get_rank() == 0:
+                    save_checkpoint(model, epoch)
+            save_checkpoint(model, "last", save_cur=True)
+            """
+        ),
+        Example(
             # A flag holding a local-rank test (`None`: started without a launcher) is that test.
             """
             import torch

@@ -233,9 +233,20 @@ class _Builder:
             self.emit(stmt, stmt, frame, loops, guards, block, results)
             before = self.env
             test = self.evaluate(stmt.test, frame, results)
-            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, self.guard(stmt.test, False, frame, results)))
             orelse = stmt.orelse
             negated = (*guards, self.guard(stmt.test, True, frame, results))
+            truth = _known_truth(stmt.test, test, frame)
+            if truth is not None:
+                # `save_checkpoint(..., save_cur=True)` inlined: `if save_cur:` takes one branch
+                # on this path, and the other never runs here.
+                if truth:
+                    self.run_block(stmt, stmt.body.body, frame, loops, (*guards, self.guard(stmt.test, False, frame, results)))
+                elif isinstance(orelse, cst.If):
+                    self.run_statement(orelse, frame, loops, negated, block)
+                elif orelse is not None:
+                    self.run_block(orelse, orelse.body.body, frame, loops, negated)
+                return
+            self.run_block(stmt, stmt.body.body, frame, loops, (*guards, self.guard(stmt.test, False, frame, results)))
             after_body = after_other = self.env
             body_leaves = _ends_block(stmt.body.body)  # `return`, `raise`, `continue`, `break`
             if orelse is not None:
@@ -460,6 +471,28 @@ class _Builder:
                     value = Value(LOCAL_RANK, params[0], origin="spawn", name=params[0].name.value)  # `fn(rank=0, ...)`
                 if value is not None:
                     self.env = self.env.bind(("local", frame.id, arg.keyword.value), value)
+
+
+def _known_truth(expr: cst.BaseExpression, test: Value | None, frame: Frame) -> bool | None:
+    """Whether a test is surely true or false on this path: a literal (`if False:`), or a
+    parameter that this very call of the function was given as a literal (`save(save_full=False)`
+    inlined: `if save_full:` takes one branch). Other names are not trusted: after an if/else
+    that binds a flag to True in one branch and False in the other, the name holds one of them
+    only as a stand-in."""
+    if test is None or test.kind != CONST or "value" not in test.attrs:
+        return None
+    value = test.attrs["value"]
+    if not isinstance(value, (bool, int, float, str)) and value is not None:
+        return None
+    if test.node is expr:
+        return bool(value)
+    call = frame.call
+    if not isinstance(expr, cst.Name) or frame.function is None or call is None:
+        return None
+    params = {param.name.value for param in (*frame.function.params.params, *frame.function.params.kwonly_params)}
+    if expr.value in params and any(arg.value is test.node for arg in call.args):
+        return bool(value)
+    return None
 
 
 def _flags_set_by_rank_test(test: Value, body: Env, other: Env, merged: Env) -> Env:
