@@ -117,6 +117,25 @@ class Rank0LoadAfterWrap(Rule):
     )
     valid = (
         Example(
+            # The best weights reloaded after training, for an evaluation rank 0 runs alone: no rank trains on.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            for epoch in range(epochs):
+                for x, y in loader:
+                    loss = criterion(model(x), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+            if dist.get_rank() == 0:
+                model.module.load_state_dict(torch.load("best.pt", map_location="cpu"))
+                evaluate(model.module, test_loader)
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -210,6 +229,8 @@ class Rank0LoadAfterWrap(Rule):
                 wrapper = receiver if receiver is not None and receiver.kind == kinds.DDP else None
             if not ctx.under_rank_zero(trace, step):
                 continue
+            if _after_the_training(ctx, trace, step):
+                continue  # the best checkpoint reloaded for a rank-0 evaluation after training
             if not ctx.is_entry(trace) and _guard_reads_a_parameter(ctx, trace, step):
                 continue  # `def load_model(self, path, rank=0): if rank <= 0: ...`, called from elsewhere
             if wrapper is None:
@@ -232,6 +253,16 @@ class Rank0LoadAfterWrap(Rule):
                 f"(line {line}): the other ranks keep their own weights. Load on every rank before wrapping "
                 f"(or broadcast the parameters from rank 0 afterwards).",
             )
+
+
+def _after_the_training(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """Whether the path shows its training, and all of it runs before the load: every backward
+    pass comes earlier and none sits in a loop that holds the load. The best checkpoint reloaded
+    for a rank-0 evaluation once training is over leaves no rank training from other weights."""
+    backwards = [other for other, call in trace.calls() if ctx.is_backward(call)]
+    return bool(backwards) and all(
+        other.index < step.index and not any(other.in_loop(loop) for loop in step.loops) for other in backwards
+    )
 
 
 def _guard_reads_a_parameter(ctx: LintContext, trace: Trace, step: Step) -> bool:
