@@ -107,6 +107,17 @@ class ParamsChangedAfterWrap(Rule):
     )
     valid = (
         Example(
+            # A deep copy of a list of parameters is a list (EMA copies): a module never registers it.
+            """
+            import copy
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = Net().cuda()
+            model = DDP(net, device_ids=[gpu])
+            net.ema_params = copy.deepcopy(list(net.parameters()))
+            """
+        ),
+        Example(
             """
             import torch.nn as nn
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -196,6 +207,10 @@ def _holds_parameters(ctx: LintContext, trace: Trace, step: Step, value: cst.Bas
     if not isinstance(inner, cst.Call):
         return False
     qual = ctx.qualname(inner.func)
+    if qual == "copy.deepcopy" and inner.args:
+        # A copy holds what the original held: `copy.deepcopy(list(model.parameters()))` is a
+        # plain list (EMA copies), which a module never registers.
+        return _holds_parameters(ctx, trace, step, inner.args[0].value)
     if qual is None:
         if isinstance(inner.func, cst.Name) and inner.func.value in PLAIN_VALUE_BUILTINS and not _defined_here(ctx, inner.func.value):
             return False  # a number, a string or a container: never registered as a parameter
