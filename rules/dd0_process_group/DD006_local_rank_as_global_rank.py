@@ -8,6 +8,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.locality import LOCALHOST, local_rank_source, one_node_size, pinned_to_localhost
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -25,7 +26,8 @@ class LocalRankAsGlobalRank(Rule):
     the world size passed is one node's process count (`torch.cuda.device_count()`,
     `LOCAL_WORLD_SIZE`, `num_gpus`, directly or through the name it was stored in) or a number
     fixed in the script (`WORLD_SIZE = 4`, written for one launch shape), when the peers meet on
-    this machine (`init_method="tcp://127.0.0.1:23456"`), when the script pins `MASTER_ADDR` to this machine (`os.environ["MASTER_ADDR"] = "localhost"`, not as a
+    this machine (`init_method="tcp://127.0.0.1:23456"`, or a name every assignment of which
+    builds such an address), when the script pins `MASTER_ADDR` to this machine (`os.environ["MASTER_ADDR"] = "localhost"`, not as a
     fallback under `if "MASTER_ADDR" not in os.environ`), and when the rank expression adds a node
     offset (`node_rank * nproc + local_rank`).
 
@@ -139,6 +141,17 @@ class LocalRankAsGlobalRank(Rule):
             """
         ),
         Example(
+            # The same, with the address built in a name first.
+            """
+            import os
+            import torch.distributed as dist
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            url = "tcp://localhost:" + os.environ.get("PORT", "29500")
+            dist.init_process_group("nccl", init_method=url, rank=local_rank, world_size=int(os.environ["WORLD_SIZE"]))
+            """
+        ),
+        Example(
             # A process count fixed in the script, written for `--nproc_per_node=4`.
             """
             import argparse
@@ -180,8 +193,33 @@ def _one_node(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> boo
     size = trace.value(world, step) if world is not None else None
     if size is not None and size.kind == kinds.CONST and isinstance(size.attrs.get("value"), int):
         return True
-    method_expr = syntax.argument(call, 1, "init_method")
-    known, method = syntax.const_value(method_expr) if method_expr is not None else (False, None)
-    if known and isinstance(method, str) and method.startswith("tcp://"):
-        return method[len("tcp://"):].rsplit(":", 1)[0].strip("[]") in LOCALHOST
-    return False
+    return _on_this_machine(ctx, syntax.argument(call, 1, "init_method"), 0)
+
+
+def _on_this_machine(ctx: LintContext, url: cst.BaseExpression | None, depth: int) -> bool:
+    """An init_method that names this machine: `"tcp://127.0.0.1:23456"`, `"tcp://localhost:" +
+    str(port)`, `f"tcp://localhost:{port}"`, or a name or attribute every assignment of which in
+    the file is one (`args.url = url` in the function that picks a free port and spawns)."""
+    if url is None or depth > 3:
+        return False
+    if isinstance(url, (cst.Name, cst.Attribute)):
+        last = (dotted(url) or "").rsplit(".", 1)[-1]
+        values = [
+            node.value
+            for node in ctx.nodes(cst.Assign)
+            for target in node.targets
+            if (dotted(target.target) or "").rsplit(".", 1)[-1] == last
+            and (dotted(node.value) or "").rsplit(".", 1)[-1] != last  # `args.url = url` adds nothing
+        ]
+        return bool(last) and bool(values) and all(_on_this_machine(ctx, value, depth + 1) for value in values)
+    prefix = url
+    while isinstance(prefix, cst.BinaryOperation) and isinstance(prefix.operator, cst.Add):
+        prefix = prefix.left
+    if isinstance(prefix, cst.FormattedString):
+        head = prefix.parts[0] if prefix.parts else None
+        text = head.value if isinstance(head, cst.FormattedStringText) else ""
+    elif isinstance(prefix, cst.SimpleString):
+        text = prefix.evaluated_value if isinstance(prefix.evaluated_value, str) else ""
+    else:
+        return False
+    return text.startswith(tuple(f"tcp://{host}:" for host in LOCALHOST))
