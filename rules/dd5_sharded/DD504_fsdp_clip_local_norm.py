@@ -100,6 +100,31 @@ class FSDPClipLocalNorm(Rule):
     )
     valid = (
         Example(
+            # The other branch of the test clips through the FSDP wrapper's own method: this branch is
+            # the path for the other strategies, which the test tells apart.
+            """
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+            class Trainer:
+                def __init__(self, model, strategy):
+                    self.strategy = strategy
+                    if strategy == "fsdp":
+                        self.model = FSDP(model)
+                    else:
+                        self.model = torch.nn.parallel.DistributedDataParallel(model)
+
+                def step(self, loss, optimizer):
+                    loss.backward()
+                    if self.strategy == "fsdp":
+                        self.model.clip_grad_norm_(1.0)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                    optimizer.step()
+            """
+        ),
+        Example(
             """
             import torch
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -161,6 +186,8 @@ class FSDPClipLocalNorm(Rule):
             params = syntax.argument(call, 0, "parameters")
             if params is None or type_checked(ctx, step, call):
                 continue  # `if isinstance(model, FSDP): ... else: clip_grad_norm_(...)`
+            if _wrapper_clip_in_other_branch(ctx, step):
+                continue  # `if strategy == FSDP: model.clip_grad_norm_(...) else: clip_grad_norm_(...)`
             for key, _ in sharding.params_owners(trace, step, params):
                 event = _fsdp1_of(sharding, trace, step, key)
                 if event is None or _no_shard(ctx, event.call):
@@ -173,6 +200,28 @@ class FSDPClipLocalNorm(Rule):
                     f"`clip_grad_norm_(max_norm)` instead.",
                 )
                 break
+
+
+def _wrapper_clip_in_other_branch(ctx: LintContext, step) -> bool:
+    """The clip sits in one branch of an `if` whose other branch clips through a wrapper's own
+    `clip_grad_norm_` method: the script tells its FSDP path from its other ones by a test this
+    file may not decide (`self.train_strategy == TrainStrategy.FSDP`), and clips right in each."""
+    for guard in step.guards:
+        branch = ctx.parent(guard.test)
+        if not isinstance(branch, cst.If):
+            continue
+        other = branch.body if guard.negated else branch.orelse
+        if other is None:
+            continue
+        for node in syntax.walk(other):
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, cst.Attribute)
+                and node.func.attr.value == "clip_grad_norm_"
+                and ctx.qualname(node.func) is None
+            ):
+                return True
+    return False
 
 
 def _fsdp1_of(sharding, trace, step, key) -> ShardEvent | None:
