@@ -65,8 +65,26 @@ def per_rank_path(
                 return True
             if ctx is not None and depth < 3 and isinstance(node, (cst.Name, cst.Attribute)):
                 bound = ctx.binding(trace, step, node)
-                if bound is not None and bound[1] is not path and per_rank_path(trace, bound[0], bound[1], ctx, depth + 1):
+                if (
+                    bound is not None
+                    and bound[1] is not path
+                    and _builds_a_name(bound[1])
+                    and per_rank_path(trace, bound[0], bound[1], ctx, depth + 1)
+                ):
                     return True
+    return False
+
+
+def _builds_a_name(expr: cst.BaseExpression) -> bool:
+    """Whether `expr` spells a file name or part of one (a string, an f-string, a sum, a
+    `%`-format, `os.path.join(...)`, `str(...)`, `Path(...)`, `"...".format(...)`): what a
+    per-rank path is built from. A name bound to anything else (`checkpoint =
+    torch.load(path, map_location=f"cuda:{local_rank}")`) names no file, whatever it was made with."""
+    if isinstance(expr, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString, cst.BinaryOperation, cst.Name, cst.Attribute)):
+        return True
+    if isinstance(expr, cst.Call):
+        name = (dotted(expr.func) or "").rsplit(".", 1)[-1]
+        return name in ("join", "str", "Path", "format", "with_name", "with_suffix") or isinstance(expr.func, cst.Attribute) and isinstance(expr.func.value, (cst.SimpleString, cst.FormattedString))
     return False
 
 
@@ -81,7 +99,9 @@ class UnguardedCheckpointSave(Rule):
     node, where it is.
 
     Guards at the call site of a helper count (`if is_main_process(): save_checkpoint(...)`), as
-    does code after `if rank != 0: return`. Files named per rank (`f"ckpt_{rank}.pt"`), saves of
+    does code after `if rank != 0: return`, and a value that a helper returns on rank 0 only
+    (`return metrics` under `if rank == 0:`, `return None` otherwise) makes `if metrics is not
+    None:` a rank-0 guard. Files named per rank (`f"ckpt_{rank}.pt"`), saves of
     other data (features, predictions) and scripts that never start a process group stay
     silent; so do functions that nothing in the file calls, whose callers cannot be seen, and a
     snapshot saved once per node to a path every rank loads back at start (torchrun's
@@ -126,6 +146,25 @@ class UnguardedCheckpointSave(Rule):
     requires = (frameworks.MULTI_PROCESS_WORDS, frameworks.SAVE_WORDS)
 
     invalid = (
+        Example(
+            # The file name is built from the step, not the rank: that `iteration` was read from a
+            # checkpoint loaded with a per-rank map_location says nothing about the path.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(local_rank), device_ids=[local_rank])
+            checkpoint = torch.load("resume.pt", map_location=f"cuda:{local_rank}")
+            iteration = checkpoint["iteration"]
+            for step in range(iteration, 10000):
+                train_step(model)
+                if step % 1000 == 0:
+                    torch.save({"model": model.module.state_dict()}, "ckpt" + str(iteration) + ".pt")  # expect: DD302
+            """
+        ),
         Example(
             # The last call passes save_cur=True on every rank: only its branch of the helper runs there;
             # the other save is reached from the rank-0 call alone.
@@ -311,6 +350,38 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # The helper returns the accuracy on rank 0 and None on the others: `accuracy is not None` is a
+            # rank-0 test.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def evaluate(model, loader, gpu, args):
+                total = torch.zeros(2, device=gpu)
+                for x, y in loader:
+                    total += torch.tensor([(model(x).argmax(1) == y).sum(), len(y)], device=gpu)
+                dist.all_reduce(total)
+                if not args.distributed or dist.get_rank() == 0:
+                    return (total[0] / total[1]).item()
+                return None
+
+            def main(args):
+                dist.init_process_group("nccl")
+                model = torch.nn.parallel.DistributedDataParallel(Net().cuda(), device_ids=[args.gpu])
+                best = 0.0
+                for epoch in range(args.epochs):
+                    train(model)
+                    accuracy = evaluate(model, val_loader, args.gpu, args)
+                    if accuracy is not None and accuracy > best:
+                        best = accuracy
+                        torch.save(model.module.state_dict(), "best.pt")
+
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
         Example(
             # Saved once per node and read back by every rank after a barrier: with storage local
             # to each node, each node needs its own copy.

@@ -165,6 +165,8 @@ class Evaluator:
         if multi is not None:
             return Value(PROCESS_COUNT_TEST, node, attrs={"multi": multi})
         zero = rank_comparison(node, self)
+        if zero is None:
+            zero = _returned_on_rank_zero(node, self)
         return None if zero is None else rank_test(node, zero)
 
     def _eval_BooleanOperation(self, node: cst.BooleanOperation) -> Value | None:
@@ -526,6 +528,24 @@ def environ_name(node: cst.CSTNode, ctx: ModuleInfo) -> str | None:
 
 
 _FLIPPED = {cst.LessThan: cst.GreaterThan, cst.GreaterThan: cst.LessThan, cst.LessThanEqual: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.LessThanEqual}
+
+
+def _returned_on_rank_zero(node: cst.Comparison, ev: Evaluator) -> bool | None:
+    """`measures is not None` where `measures` came from a helper that returns it on rank 0 and
+    None elsewhere: True on rank 0 only; `is None` is its negation."""
+    if len(node.comparisons) != 1:
+        return None
+    target = node.comparisons[0]
+    if not (isinstance(target.comparator, cst.Name) and target.comparator.value == "None"):
+        return None
+    value = ev.eval(node.left)
+    if value is None or value.kind != RANK_TEST or value.origin != "returned":
+        return None
+    if isinstance(target.operator, (cst.IsNot, cst.NotEqual)):
+        return True
+    if isinstance(target.operator, (cst.Is, cst.Equal)):
+        return False
+    return None
 
 
 def rank_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:

@@ -24,6 +24,9 @@ class Frame:
     call: cst.Call | None
     id: int
     returns: list[Value | None] = field(default_factory=list)
+    # Per `return`: None when it returns nothing (`return` / `return None`), else whether a
+    # condition of this frame restricts it to rank 0.
+    return_sides: list[bool | None] = field(default_factory=list)
 
     @property
     def depth(self) -> int:

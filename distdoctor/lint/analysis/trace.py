@@ -27,7 +27,7 @@ from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo, spawned_function
 from distdoctor.lint.analysis.syntax import keyword, own_calls
 from distdoctor.lint.analysis.kinds import (
-    UNKNOWN, LOCAL_RANK, RANK, RANK_NAMES, RANK_TEST, INSTANCE, TUPLE, CONST, Value,
+    UNKNOWN, LOCAL_RANK, RANK, RANK_NAMES, RANK_TEST, INSTANCE, TUPLE, CONST, RankSet, Value,
 )
 
 
@@ -327,7 +327,22 @@ class _Builder:
                         old = Value(RANK, small, origin="arith") if named and isinstance(small.operator, cst.AddAssign) else None
                 self.env = self.env.bind(key, new or old or Value(UNKNOWN, small))
         elif isinstance(small, cst.Return):
-            frame.returns.append(self.evaluate(small.value, frame, results) if small.value is not None else None)
+            value = self.evaluate(small.value, frame, results) if small.value is not None else None
+            frame.returns.append(value)
+            nothing = small.value is None or (isinstance(small.value, cst.Name) and small.value.value == "None")
+            frame.return_sides.append(None if nothing else self._rank_zero_side(guards, frame))
+
+    def _rank_zero_side(self, guards: tuple[Guard, ...], frame: Frame) -> bool:
+        """Whether a guard of this frame lets rank 0 through alone (a `return` under it runs on
+        rank 0 only; with `not distributed or ...`, in a single process too)."""
+        for guard in guards:
+            if guard.frame is not frame:
+                continue
+            value = Evaluator(self.ctx, self.env, frame, guard.results).eval(guard.test)
+            ranks = value.attrs.get("false" if guard.negated else "true") if value is not None and value.kind == RANK_TEST else None
+            if ranks is not None and ranks.zero and ranks.certain:
+                return True
+        return False
 
     def emit(self, node, line, frame, loops, guards, block, results=None) -> None:
         self.steps.append(Step(len(self.steps), node, line, frame, loops, guards, self.env, block, results or {}))
@@ -430,6 +445,11 @@ class _Builder:
         self.run_block(function, function.body.body, frame, loops, guards)
         if self_value is not None and function.name.value == "__init__":
             return self_value
+        sides = frame.return_sides
+        if sides and None in sides and any(side is True for side in sides) and all(side in (True, None) for side in sides):
+            # `if not distributed or gpu == 0: ... return measures` then `return None`: a value
+            # only rank 0 gets. `if measures is not None:` at the call site is a rank-0 test.
+            return Value(RANK_TEST, call, origin="returned", attrs={"true": RankSet(True), "false": RankSet(False)})
         returns = [value for value in frame.returns if value is not None and value.kind != UNKNOWN]
         # `if not dist.is_initialized(): return True` then `return dist.get_rank() == 0`: the
         # value that says more than a constant wins, wherever it stands.
