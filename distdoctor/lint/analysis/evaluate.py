@@ -439,6 +439,9 @@ def _dgl_loader(node: cst.Call) -> Value | None:
     return Value(LOADER, node, inner=sampler, attrs={"has_sampler": True, "batch_sampler": False})
 
 
+_LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"})
+
+
 def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None:
     """True for a comparison that holds in a multi-process run (`world_size > 1`,
     `local_rank != -1`), False for one that holds in a single-process run (`world_size == 1`,
@@ -447,6 +450,12 @@ def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None
         return None
     target = node.comparisons[0]
     left, right, op = node.left, target.comparator, target.operator
+    if isinstance(op, (cst.In, cst.NotIn)) and ev.ctx.qualname(right) == "os.environ":
+        # `"RANK" in os.environ`: a launcher (torchrun, torch.distributed.launch) started this process.
+        known, name = const_value(left)
+        if known and name in _LAUNCHER_VARIABLES:
+            return isinstance(op, cst.In)
+        return None
     known, number = const_value(right)
     if not known:
         known, number = const_value(left)
