@@ -8,6 +8,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.locality import pinned_to_localhost
 from distdoctor.lint.analysis.devices import DeviceIndex, device_indices
 from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.rule import Example, Report, Rule
@@ -160,6 +161,36 @@ class RankAsDevice(Rule):
     )
     valid = (
         Example(
+            # Stored again after the load that used it, and never read: a dead store selects no device.
+            """
+            import torch
+            import torch.distributed as dist
+
+            class Trainer:
+                def __init__(self):
+                    self.local_rank = dist.get_rank()
+
+                def load_checkpoint(self, path):
+                    checkpoint = torch.load(path, map_location="cpu")
+                    map_location = "cuda:%d" % self.local_rank
+                    self.model.load_state_dict(checkpoint["weights"])
+            """
+        ),
+        Example(
+            # MASTER_ADDR pinned to this machine: one node, where the rank is the device.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+
+            os.environ["MASTER_ADDR"] = "localhost"
+            os.environ["MASTER_PORT"] = "12355"
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("nccl", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+            torch.cuda.set_device(rank)
+            """
+        ),
+        Example(
             """
             import os
             import torch
@@ -293,6 +324,8 @@ class RankAsDevice(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
+        if pinned_to_localhost(ctx):
+            return  # `os.environ["MASTER_ADDR"] = "localhost"`: one node, where the rank is the device
         reported: set[int] = set()
         for use in device_indices(ctx):
             value = use.trace.value(use.index, use.step)
@@ -316,10 +349,24 @@ def _never_read(ctx: LintContext, use: DeviceIndex) -> bool:
         return False
     if not any(child is use.site for child in syntax.walk(node.value)):
         return False
-    text = names.dotted(node.targets[0].target)
+    target = node.targets[0].target
+    text = names.dotted(target)
     if text is None:
         return False
-    return sum(1 for other in ctx.nodes(cst.Name, cst.Attribute) if names.dotted(other) == text) == 1
+    if sum(1 for other in ctx.nodes(cst.Name, cst.Attribute) if names.dotted(other) == text) == 1:
+        return True
+    if not isinstance(target, cst.Name):
+        return False
+    # A local name read only before this assignment, in a function with no loop around it
+    # (`map_location = ...` again after the `torch.load` that used it): a dead store.
+    function = next((a for a in ctx.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
+    if function is None or any(isinstance(a, (cst.For, cst.While)) for a in ctx.ancestors(node)):
+        return False
+    line = ctx.position(node).start.line
+    return not any(
+        isinstance(other, cst.Name) and other.value == text and ctx.position(other).start.line > line
+        for other in syntax.walk(function.body)
+    )
 
 
 def _rank_handed_in(ctx: LintContext, value: Value) -> bool:

@@ -49,7 +49,13 @@ def is_one_node_count(ctx, expr: cst.BaseExpression) -> bool:
 
 
 def pinned_to_localhost(ctx) -> bool:
-    """`os.environ["MASTER_ADDR"] = "127.0.0.1"` outside any `if`: the job cannot span nodes."""
+    """`os.environ["MASTER_ADDR"] = "127.0.0.1"` outside any `if`, or the script launching itself
+    with `LaunchConfig(..., max_nodes=1)` (torch.distributed.launcher): the job cannot span nodes."""
+    for call in ctx.nodes(cst.Call):
+        if (names.dotted(call.func) or "").rsplit(".", 1)[-1] == "LaunchConfig":
+            most = syntax.keyword(call, "max_nodes")
+            if most is not None and syntax.const_value(most) == (True, 1):
+                return True
     for node in ctx.nodes(cst.Assign):
         if not (isinstance(node.value, cst.SimpleString) and node.value.evaluated_value in LOCALHOST):
             continue
