@@ -107,6 +107,25 @@ class ParamsChangedAfterWrap(Rule):
     )
     valid = (
         Example(
+            # The builder runs twice: each run changes its own fresh model, then wraps it.
+            """
+            import torch.nn as nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class Trainer:
+                def create_model(self, classes):
+                    model = Backbone()
+                    if classes:
+                        model.fc = nn.Linear(model.width, classes)
+                    model = DDP(model.cuda(), device_ids=[self.gpu])
+                    return model
+
+                def setup(self):
+                    self.student = self.create_model(1000)
+                    self.teacher = self.create_model(1000)
+            """
+        ),
+        Example(
             # A deep copy of a list of parameters is a list (EMA copies): a module never registers it.
             """
             import copy
@@ -173,7 +192,7 @@ class ParamsChangedAfterWrap(Rule):
                     if not isinstance(target, cst.Attribute) or target.attr.value in NOT_PARAMETERS:
                         continue
                     wrapper = _wrapped_prefix(trace, step, target.value)
-                    if wrapper is None:
+                    if wrapper is None or _own_wrap_comes_later(ctx, node, wrapper):
                         continue
                     line = ctx.position(wrapper.node).start.line if wrapper.node is not None else "?"
                     yield Report(
@@ -182,6 +201,18 @@ class ParamsChangedAfterWrap(Rule):
                         f"DistributedDataParallel (line {line}): DDP never syncs the new parameters. Make this "
                         f"change before the wrap.",
                     )
+
+
+def _own_wrap_comes_later(ctx: LintContext, assignment: cst.CSTNode, wrapper: Value) -> bool:
+    """The wrap found was made by an earlier run of the same function, whose own wrap comes after
+    this assignment (`create_model()` called for the student, then again for the teacher: each
+    run builds a fresh model, changes it, then wraps it)."""
+    if not isinstance(wrapper.node, cst.CSTNode):
+        return False
+    function = next((a for a in ctx.ancestors(assignment) if isinstance(a, cst.FunctionDef)), None)
+    if function is None or not any(a is function for a in ctx.ancestors(wrapper.node)):
+        return False
+    return ctx.position(wrapper.node).start.line > ctx.position(assignment).start.line
 
 
 def _wrapped_prefix(trace: Trace, step: Step, expr: cst.BaseExpression) -> Value | None:
