@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, kinds, syntax
+from distdoctor.lint.analysis import frameworks, guarded_calls, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, says_eval
@@ -205,6 +205,39 @@ class MissingDistributedSampler(Rule):
     )
     valid = (
         Example(
+            # The single-GPU baseline beside the DDP run: its branch never starts the process group.
+            """
+            import sys
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def train_single_gpu(dataset):
+                loader = DataLoader(dataset, batch_size=64, shuffle=True)
+                for epoch in range(10):
+                    for x, y in loader:
+                        loss = model(x).sum()
+                        loss.backward()
+                        optimizer.step()
+
+            def train_ddp(dataset):
+                dist.init_process_group("nccl")
+                ddp = DDP(model)
+                sampler = DistributedSampler(dataset)
+                loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+                for epoch in range(10):
+                    sampler.set_epoch(epoch)
+                    for x, y in loader:
+                        ddp(x).sum().backward()
+                        optimizer.step()
+
+            if "--ddp" in sys.argv:
+                train_ddp(data)
+            else:
+                train_single_gpu(data)
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -368,6 +401,8 @@ class MissingDistributedSampler(Rule):
                 continue
             if _debug_branch_of_sharded_loader(ctx, trace, call):
                 continue
+            if guarded_calls.off_the_distributed_branch(ctx, trace, step):
+                continue  # `else: train_single_gpu()` beside `if ddp: train_ddp()`: one process
             reported.add(id(call))
             horovod = ctx.uses_horovod and not any(True for _ in ctx.calls(DDP))
             extra = ", num_replicas=hvd.size(), rank=hvd.rank()" if horovod else ""

@@ -7,10 +7,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, guarded_calls, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, flag_test
-from distdoctor.lint.analysis import names
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -105,7 +104,9 @@ class UnguardedCheckpointSave(Rule):
     other data (features, predictions) and scripts that never start a process group stay
     silent; so do functions that nothing in the file calls, whose callers cannot be seen, and a
     snapshot saved once per node to a path every rank loads back at start (torchrun's
-    fault-tolerance pattern: with storage local to each node, each node needs its own copy).
+    fault-tolerance pattern: with storage local to each node, each node needs its own copy), and
+    SageMaker scripts that run one process per host (`rank = hosts.index(current_host)`), each
+    writing its own host's model folder.
 
     A condition that mixes a rank test with another test is read as Python reads it: in
     `if is_main and step % k == 0 or step in milestones:` the rank test covers only the `and`,
@@ -350,6 +351,26 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # SageMaker: one process per host, each saving into its own host's model folder.
+            """
+            import argparse
+            import json
+            import os
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--hosts", type=list, default=json.loads(os.environ["SM_HOSTS"]))
+            parser.add_argument("--current-host", type=str, default=os.environ["SM_CURRENT_HOST"])
+            parser.add_argument("--model-dir", type=str, default=os.environ["SM_MODEL_DIR"])
+            args = parser.parse_args()
+            dist.init_process_group("gloo", rank=args.hosts.index(args.current_host), world_size=len(args.hosts))
+            model = torch.nn.parallel.DistributedDataParallel(Net())
+            train(model)
+            torch.save(model.module.state_dict(), os.path.join(args.model_dir, "model.pth"))
+            """
+        ),
         Example(
             # The helper returns the accuracy on rank 0 and None on the others: `accuracy is not None` is a
             # rank-0 test.
@@ -844,8 +865,8 @@ class UnguardedCheckpointSave(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not _multi_process(ctx):
-            return
+        if not _multi_process(ctx) or "current_host" in ctx.source:
+            return  # SageMaker's `hosts.index(current_host)`: one process per host, each on its own disk
         for trace, step, call in ctx.calls(SAVE):
             if not ctx.is_entry(trace):
                 continue
@@ -854,7 +875,7 @@ class UnguardedCheckpointSave(Rule):
                 continue
             if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
                 continue
-            if _off_the_distributed_branch(ctx, trace, step):
+            if guarded_calls.off_the_distributed_branch(ctx, trace, step):
                 continue
             if _under_flag_set_by_starter(ctx, trace, step):
                 continue
@@ -936,18 +957,6 @@ def _tests_spawn_index(trace: Trace, step: Step, test: cst.BaseExpression) -> bo
     return False
 
 
-def _off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bool:
-    """The save is in another branch than every start of the process group on its path
-    (`if command == "train": train()` ... `elif command == "export": torch.save(...)`): a
-    single-process subcommand of a tool whose training is distributed, or the single-GPU branch
-    beside `if args.multi_gpu: mp.spawn(worker, ...)`, which runs in one process."""
-    return trace.only_in_other_branches(
-        step,
-        lambda call: (names.dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
-        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *SPAWNS),
-    )
-
-
 def _rank_test_lost_to_or(ctx: LintContext, step: Step, guard: Guard) -> bool:
     """`if is_main and step % k == 0 or step in milestones:` written without parentheses: the rank
     test sits in an unparenthesised `and` on one side of an `or` whose other side tests no rank,
@@ -1014,7 +1023,6 @@ def _set_or_declared_here(ctx: LintContext, attribute: str) -> bool:
 
 
 LOAD = "torch.load"
-SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 
 
 def _multi_process(ctx: LintContext) -> bool:

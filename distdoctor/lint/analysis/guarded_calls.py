@@ -72,6 +72,22 @@ def unmatched(ctx: LintContext, trace: Trace, found: list[Event]) -> Iterable[Ev
             yield event
 
 
+_SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
+
+
+def off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bool:
+    """`step` is in another branch than every start of the process group on its path (`if
+    command == "train": train()` ... `elif command == "export": torch.save(...)`; `if "--ddp" in
+    sys.argv: train_ddp() else: train_single_gpu()`): a single-process subcommand or baseline of a
+    tool whose training is distributed, or the single-GPU branch beside `if args.multi_gpu:
+    mp.spawn(worker, ...)`, which runs in one process."""
+    return trace.only_in_other_branches(
+        step,
+        lambda call: (dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
+        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *_SPAWNS),
+    )
+
+
 def single_process_only(ctx: LintContext, step: Step) -> bool:
     """Whether `step` runs only in a single-process run: under `if args.local_rank == -1 and ...:`
     or `if world_size == 1:` (or in the `else` of `if distributed:`). There is no other rank to
