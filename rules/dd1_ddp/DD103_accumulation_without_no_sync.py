@@ -210,6 +210,32 @@ class AccumulationWithoutNoSync(Rule):
     )
     valid = (
         Example(
+            # A one-off profiled step that ends the program: no accumulation cycle.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step, batch in enumerate(loader):
+                if args.profile and step == 50:
+                    with torch.profiler.profile() as prof:
+                        loss = model(batch).mean() / accumulation
+                        loss.backward()
+                        if step % accumulation == 0:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    print(prof.key_averages().table())
+                    exit()
+                loss = model(batch).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            """
+        ),
+        Example(
             """
             import contextlib
             import torch
@@ -307,7 +333,7 @@ class AccumulationWithoutNoSync(Rule):
                 if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:
                     continue
                 for backward_step, backward in _accumulated_backwards(ctx, trace, step):
-                    if not ctx.ddp_backward(backward_step, backward):
+                    if not ctx.ddp_backward(backward_step, backward) or _ends_the_program(ctx, backward):
                         continue
                     yield Report(
                         backward,
@@ -315,6 +341,25 @@ class AccumulationWithoutNoSync(Rule):
                         "all-reduces, though only the last one before optimizer.step() needs to. Run the other "
                         "micro-batches' forward and backward inside `with model.no_sync():`.",
                     )
+
+
+_EXITS = frozenset({"exit", "quit", "sys.exit", "os._exit"})
+
+
+def _ends_the_program(ctx: LintContext, node: cst.CSTNode) -> bool:
+    """The backward sits in a block that ends the program (`with profile(): ...` then `exit()`,
+    a one-off profiled or benchmarked step): it runs once, there is no accumulation cycle."""
+    for block in ctx.ancestors(node):
+        if isinstance(block, (cst.FunctionDef, cst.For, cst.While)):
+            return False
+        if isinstance(block, cst.IndentedBlock) and block.body:
+            last = block.body[-1]
+            if isinstance(last, cst.SimpleStatementLine) and any(
+                isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) and names.dotted(small.value.func) in _EXITS
+                for small in last.body
+            ):
+                return True
+    return False
 
 
 def _controls_sync(ctx: LintContext) -> bool:
