@@ -102,6 +102,25 @@ class SamplerShardedByLocalRank(Rule):
     )
     valid = (
         Example(
+            # The script launches itself on one node (max_nodes=1): the local rank is the rank.
+            """
+            import os
+            import torch.distributed as dist
+            from torch.distributed import launcher
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def train():
+                local_rank = int(os.environ["LOCAL_RANK"])
+                dist.init_process_group("nccl")
+                sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=local_rank)
+                loader = DataLoader(dataset, sampler=sampler)
+
+            if __name__ == "__main__":
+                config = launcher.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=8, rdzv_backend="c10d")
+                launcher.elastic_launch(config, train)()
+            """
+        ),
+        Example(
             """
             import os
             import torch.distributed as dist

@@ -245,6 +245,25 @@ class CollectiveInRankBranch(Rule):
     )
     valid = (
         Example(
+            # `"RANK" in os.environ`: a launcher started the process; with it, the two barriers pair up.
+            """
+            import os
+            import torch.distributed as dist
+
+            class Runner:
+                def __init__(self):
+                    self.is_local_master = "RANK" not in os.environ or int(os.environ["LOCAL_RANK"]) == 0
+
+                def build_dataset(self):
+                    if "RANK" in os.environ and not self.is_local_master:
+                        dist.barrier()  # the others wait while the first process of the node writes the chunks
+                    dataset = write_chunks()
+                    if "RANK" in os.environ and self.is_local_master:
+                        dist.barrier()  # and releases them
+                    return dataset
+            """
+        ),
+        Example(
             # The whole loop runs on rank 0 (a learning-rate search): its `break` splits no ranks.
             """
             import torch.distributed as dist
