@@ -324,8 +324,6 @@ class RankAsDevice(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if pinned_to_localhost(ctx):
-            return  # `os.environ["MASTER_ADDR"] = "localhost"`: one node, where the rank is the device
         reported: set[int] = set()
         for use in device_indices(ctx):
             value = use.trace.value(use.index, use.step)
@@ -336,6 +334,8 @@ class RankAsDevice(Rule):
             line = ctx.position(use.site).start.line
             if line in reported:
                 continue
+            if pinned_to_localhost(ctx):
+                return  # `os.environ["MASTER_ADDR"] = "localhost"`: one node, where the rank is the device
             reported.add(line)
             yield Report(use.site, _message(ctx, use.index, value, ctx.uses_horovod))
 
