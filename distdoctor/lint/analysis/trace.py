@@ -223,6 +223,10 @@ class _Builder:
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
                 self.run_small(small, stmt, frame, loops, guards, block)
+        elif isinstance(stmt, cst.BaseSmallStatement):
+            # The body of a one-line compound statement (`if distributed: sampler.set_epoch(e)`)
+            # is a suite of small statements, each its own line.
+            self.run_small(stmt, stmt, frame, loops, guards, block)
         elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             key = env_key(stmt.name, frame)
             if key is not None and frame.depth > 0:
@@ -562,6 +566,8 @@ def _ends_block(body: Sequence[cst.CSTNode]) -> bool:
     if not body:
         return False
     last = body[-1]
+    if isinstance(last, _TERMINATORS):
+        return True  # `if rank != 0: return`, on one line
     return isinstance(last, cst.SimpleStatementLine) and any(isinstance(s, _TERMINATORS) for s in last.body)
 
 
