@@ -49,7 +49,8 @@ def is_one_node_count(ctx, expr: cst.BaseExpression) -> bool:
 
 
 def pinned_to_localhost(ctx) -> bool:
-    """`os.environ["MASTER_ADDR"] = "127.0.0.1"` outside any `if`, or the script launching itself
+    """`os.environ["MASTER_ADDR"] = "127.0.0.1"` (not as a fallback under a test of the
+    environment), or the script launching itself
     with `LaunchConfig(..., max_nodes=1)` (torch.distributed.launcher): the job cannot span nodes."""
     for call in ctx.nodes(cst.Call):
         if (names.dotted(call.func) or "").rsplit(".", 1)[-1] == "LaunchConfig":
@@ -61,7 +62,11 @@ def pinned_to_localhost(ctx) -> bool:
             continue
         for target in node.targets:
             if isinstance(target.target, cst.Subscript) and "MASTER_ADDR" in ctx.code(target.target):
-                if not any(isinstance(parent, cst.If) for parent in ctx.ancestors(node)):
+                # Under `if args.use_ddp:` it is still the address of the distributed run; under
+                # `if "MASTER_ADDR" not in os.environ:` it is a fallback the launcher overrides.
+                if not any(
+                    isinstance(parent, cst.If) and "environ" in ctx.code(parent.test) for parent in ctx.ancestors(node)
+                ):
                     return True
     return False
 
