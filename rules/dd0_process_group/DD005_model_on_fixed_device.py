@@ -114,6 +114,26 @@ class ModelOnFixedDevice(Rule):
     )
     valid = (
         Example(
+            # The literal device belongs to the single-process branch of the same test as the wrap.
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            is_ddp = "WORLD_SIZE" in os.environ
+            if is_ddp:
+                dist.init_process_group("nccl")
+                device = dist.get_rank() % torch.cuda.device_count()
+                torch.cuda.set_device(device)
+            else:
+                device = "cuda:0"
+            model = Net()
+            if is_ddp:
+                model = DDP(model.to(device), device_ids=[device])
+            """
+        ),
+        Example(
             """
             import os
             import torch
@@ -260,7 +280,9 @@ def _fixed_index(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpre
         return None
     if depth < 2 and isinstance(expr, (cst.Name, cst.Attribute)):
         found = ctx.binding(trace, step, expr)
-        if found is not None:
+        # `device = rank % n` under `if is_ddp:`, `device = "cuda:0"` in its `else`: where the
+        # later `if is_ddp:` moves the model, the literal was not what the name held.
+        if found is not None and not found[0].excludes(step):
             return _fixed_index(ctx, trace, found[0], found[1], depth + 1)
     return None
 
