@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from distdoctor.lint.analysis import frameworks, guarded_calls
+import libcst as cst
+
+from distdoctor.lint.analysis import frameworks, guarded_calls, syntax
 from distdoctor.lint.analysis.context import HOROVOD_COLLECTIVES, TORCH_COLLECTIVES, LintContext
 from distdoctor.lint.analysis.guarded_calls import DDP_FORWARD, SHARDED_FORWARDS
 from distdoctor.lint.analysis.names import dotted
@@ -14,6 +16,16 @@ from distdoctor.lint.rule import Example, Report, Rule
 # `torch.distributed.*` or `horovod.*`: the module's word is in the code too (`os.path.join` and
 # `functools.reduce` alone are not collectives).
 MODELS_JOINED = frameworks.DDP_WORDS | frameworks.SHARDING_WORDS
+
+
+def _in_a_subgroup(call: cst.Call) -> bool:
+    """A collective over an explicit process group other than the world (`group=pg`, made by
+    `new_group` or a custom `init_process_group` for rank 0 and inference workers): the ranks
+    that must join are the group's members, which this file does not show."""
+    group = syntax.keyword(call, "group")
+    if group is None or (isinstance(group, cst.Name) and group.value == "None"):
+        return False
+    return (dotted(group) or "").rsplit(".", 1)[-1] != "WORLD"
 
 
 class CollectiveInRankBranch(Rule):
@@ -27,6 +39,10 @@ class CollectiveInRankBranch(Rule):
     `if rank == 0:`, `if dist.get_rank() == 0:`, `if is_main_process():`,
     `if args.local_rank in [-1, 0]:`, or code after `if rank != 0: return`. The condition may be
     at the call site of a helper that makes the collective.
+
+    A collective over a process group of its own (`group=pg`, other than the world) is left
+    alone: who must join is the group's members, which the file does not show (a weight-update
+    group of training rank 0 and the inference workers is joined by rank 0 alone on purpose).
 
     It stays silent when the other ranks make the same collective on their side: in the `else`
     branch, or in the opposite guard elsewhere on the same path (the "first process downloads,
@@ -244,6 +260,19 @@ class CollectiveInRankBranch(Rule):
         ),
     )
     valid = (
+        Example(
+            # A collective over a group of its own: its members are who must join, which the file does not show.
+            """
+            import torch.distributed as dist
+
+            def update_inference_weights(model, weight_group):
+                # weight_group joins training rank 0 and the inference workers only.
+                if dist.get_rank() != 0:
+                    return
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0, group=weight_group)
+            """
+        ),
         Example(
             # `"RANK" in os.environ`: a launcher started the process; with it, the two barriers pair up.
             """
@@ -481,6 +510,8 @@ class CollectiveInRankBranch(Rule):
             for event in guarded_calls.unmatched(ctx, trace, found):
                 if event.what == DDP_FORWARD:
                     continue  # DD307's finding (default off): it hangs only in some cases
+                if _in_a_subgroup(event.call):
+                    continue  # `group=weight_update_group`: who belongs to it is not said here
                 guard = event.guards[-1]
                 where = "rank 0" if guard.zero else "the ranks other than 0"
                 if guard.local:
