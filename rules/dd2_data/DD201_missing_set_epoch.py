@@ -217,6 +217,24 @@ class MissingSetEpoch(Rule):
     )
     valid = (
         Example(
+            # set_epoch through the loader, in the body of a one-line `if`.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main(args):
+                if args.distributed:
+                    sampler_train = torch.utils.data.DistributedSampler(train_dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True)
+                else:
+                    sampler_train = torch.utils.data.RandomSampler(train_dataset)
+                data_loader_train = torch.utils.data.DataLoader(
+                    train_dataset, sampler=sampler_train, batch_size=8)
+                for epoch in range(args.start_epoch, args.epochs):
+                    if args.distributed: data_loader_train.sampler.set_epoch(epoch)
+                    train_one_epoch(model, data_loader_train, epoch)
+            """
+        ),
+        Example(
             # The same helper asked for an ordered sampler: nothing to reshuffle.
             """
             from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler

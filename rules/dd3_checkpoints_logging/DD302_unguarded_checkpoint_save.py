@@ -352,6 +352,23 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # A one-line early return of the other ranks guards the save that follows it.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def save(model, path):
+                if dist.get_rank() != 0: return
+                torch.save(model.module.state_dict(), path)
+
+            dist.init_process_group("nccl")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(10):
+                train(model)
+                save(model, "ckpt.pt")
+            """
+        ),
+        Example(
             # SageMaker: one process per host, each saving into its own host's model folder.
             """
             import argparse
