@@ -45,8 +45,9 @@ class DDPStateDictPrefix(Rule):
 
     Off by default: whether the prefix breaks anything depends on where the checkpoint is loaded,
     often another file (an evaluation script that wraps in DDP first reads it fine), which a
-    per-file linter cannot see; on the corpus 10 of its 27 findings were true (0.37: most repositories
-    strip the prefix when they load, often in another file). Turn it on
+    per-file linter cannot see; on the corpus fewer than a third of its findings were true (the
+    figure is printed above: most repositories strip the prefix when they load, often in another
+    file). Turn it on
     (`--extend-select DD303`) where checkpoints are loaded into plain models.
 
     ## Why is this bad?
