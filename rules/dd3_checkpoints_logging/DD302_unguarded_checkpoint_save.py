@@ -148,6 +148,33 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # A property that returns a local-rank test is that test: true once per node.
+            """
+            import torch
+            import torch.distributed as dist
+
+            class Trainer:
+                def __init__(self, cfg, model):
+                    self.cfg = cfg
+                    dist.init_process_group("nccl")
+                    self.model = torch.nn.parallel.DistributedDataParallel(model.cuda(cfg.local_rank), device_ids=[cfg.local_rank])
+
+                @property
+                def is_master(self):
+                    return self.cfg.local_rank == 0
+
+                def fit(self, epochs):
+                    for epoch in range(epochs):
+                        train_epoch(self.model)
+                        if self.is_master:
+                            torch.save(self.model.module.state_dict(), "checkpoint.pt")  # expect: DD302
+
+
+            if __name__ == "__main__":
+                Trainer(parse_args(), Net()).fit(10)
+            """
+        ),
+        Example(
             # The file name is built from the step, not the rank: that `iteration` was read from a
             # checkpoint loaded with a per-rank map_location says nothing about the path.
             """
@@ -351,6 +378,47 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # `args.dist == "OFF"` and `args.dist == "ON"`: the first save runs in the single-process branch.
+            """
+            import torch
+            import torch.distributed as dist
+
+            def main(args):
+                if args.dist == "OFF":
+                    model = Net().cuda()
+                    for epoch in range(args.epochs):
+                        train(model)
+                        torch.save({"model": model.state_dict()}, "checkpoint.pt")
+                if args.dist == "ON":
+                    dist.init_process_group("nccl")
+                    model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+                    for epoch in range(args.epochs):
+                        train(model)
+                        if dist.get_rank() == 0:
+                            torch.save({"model": model.module.state_dict()}, "checkpoint.pt")
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
+        Example(
+            # mpi4py's COMM_WORLD.Get_rank() is the global rank.
+            """
+            import torch
+            import torch.distributed as dist
+            from mpi4py import MPI
+
+            RANK = MPI.COMM_WORLD.Get_rank()
+            SIZE = MPI.COMM_WORLD.Get_size()
+            dist.init_process_group("nccl", rank=RANK, world_size=SIZE)
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            for epoch in range(10):
+                train(model)
+                if RANK == 0:
+                    torch.save(model.module.state_dict(), "model.pt")
+            """
+        ),
         Example(
             # A one-line early return of the other ranks guards the save that follows it.
             """

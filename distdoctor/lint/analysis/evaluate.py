@@ -76,6 +76,7 @@ class Evaluator:
         self.env = env
         self.frame = frame
         self.call_results = call_results
+        self._in_property = False  # evaluating a property's body: its own `self.x` reads stop there
 
     def eval(self, node: cst.BaseExpression) -> Value | None:
         if id(node) in self.call_results:
@@ -112,6 +113,17 @@ class Evaluator:
             if base.kind == INSTANCE:
                 cls_name = base.attrs.get("class")
                 value = self.env.get(("self", cls_name, attr))
+                if value is not None:
+                    return value
+        if isinstance(node.value, cst.Name) and node.value.value == "self" and self.frame.cls is not None:
+            returned = _property_return(self.ctx, self.frame.cls, attr)
+            if returned is not None and not self._in_property:
+                # `@property def is_master(self): return self.cfg.local_rank == 0`: what it returns.
+                self._in_property = True
+                try:
+                    value = self.eval(returned)
+                finally:
+                    self._in_property = False
                 if value is not None:
                     return value
         qualified = self.ctx.qualname(node)
@@ -273,7 +285,7 @@ class Evaluator:
                 return env_value(environ_name(node, self.ctx) or "", node)
             if method in MAIN_PROCESS_FUNCS:
                 return rank_test(node, True, origin="call")
-            if method in ("get_rank", "rank") and receiver is None:
+            if method in ("get_rank", "rank", "Get_rank") and receiver is None:
                 return Value(RANK, node, origin="call")
             if method in ("get_local_rank", "local_rank") and receiver is None:
                 return Value(LOCAL_RANK, node, origin="call")
@@ -366,7 +378,7 @@ class Evaluator:
                 return rank_test(node, True, origin="call")
             if last in PARALLEL_RANK_GETTERS:
                 return Value(RANK, node, origin="group")
-            if last in ("get_rank", "get_global_rank"):
+            if last in ("get_rank", "get_global_rank", "Get_rank"):  # `Get_rank`: mpi4py's COMM_WORLD
                 return Value(RANK, node, origin="call")
             if last == "get_local_rank":
                 return Value(LOCAL_RANK, node, origin="call")
@@ -410,6 +422,18 @@ def project_module(qual: str) -> bool:
     a library whose zero-argument calls say nothing of ranks."""
     root = qual.split(".", 1)[0]
     return "." in qual and root not in sys.stdlib_module_names and root not in LIBRARIES_BY_API and root not in _NOT_PROJECT
+
+
+def _property_return(ctx: ModuleInfo, cls: cst.ClassDef, attr: str) -> cst.BaseExpression | None:
+    """The expression a one-statement `@property` of `cls` named `attr` returns, else None."""
+    method = ctx.methods(cls).get(attr)
+    if method is None or not any(dotted(d.decorator) == "property" for d in method.decorators):
+        return None
+    body = method.body.body
+    if len(body) != 1 or not isinstance(body[0], cst.SimpleStatementLine) or len(body[0].body) != 1:
+        return None
+    statement = body[0].body[0]
+    return statement.value if isinstance(statement, cst.Return) else None
 
 
 def _by_name(name: str, node: cst.CSTNode, origin: str, text: str | None = None) -> Value | None:

@@ -85,9 +85,30 @@ class Step:
         for guard in self.guards:
             for key, negated in _condition_keys(guard):
                 branches[key] = negated
-        return any(
+        if any(
             branches.get(key, negated) != negated for guard in other.guards for key, negated in _condition_keys(guard)
-        )
+        ):
+            return True
+        # `if args.dist == "OFF":` ... `if args.dist == "ON":`: one option, two different values.
+        mine = _equalities(self.guards)
+        return any(mine.get(text, value) != value for text, value in _equalities(other.guards).items())
+
+
+def _equalities(guards: Sequence[Guard]) -> dict[str, object]:
+    """`option == "literal"` conditions a step runs under (the test true, not negated): the
+    option's text and the literal. Only options bound nowhere on the path (parsed arguments)."""
+    found: dict[str, object] = {}
+    for guard in guards:
+        test = guard.test
+        if guard.negated or not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+            continue
+        target = test.comparisons[0]
+        if not isinstance(target.operator, cst.Equal) or not isinstance(target.comparator, (cst.SimpleString, cst.Integer)):
+            continue
+        text = dotted(test.left) if isinstance(test.left, cst.Attribute) else None
+        if text is not None and guard.flag_source is None:
+            found[text] = target.comparator.evaluated_value if isinstance(target.comparator, cst.SimpleString) else target.comparator.value
+    return found
 
 
 def _condition_keys(guard: Guard) -> tuple[tuple[object, bool], ...]:
