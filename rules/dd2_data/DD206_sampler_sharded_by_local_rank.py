@@ -9,7 +9,7 @@ import libcst as cst
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
-from distdoctor.lint.analysis.trace import Trace
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.analysis.locality import is_one_node_count, local_rank_source, pinned_to_localhost
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -57,6 +57,21 @@ class SamplerShardedByLocalRank(Rule):
     requires = (frameworks.SAMPLER_WORDS | frozenset(SHARD_COUNTS),)  # torch's sampler, or one told its shard count
 
     invalid = (
+        Example(
+            # The global rank, rebound to itself modulo the GPUs of a node: a local rank.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            def main():
+                dist.init_process_group("nccl")
+                rank = dist.get_rank()
+                rank = rank % torch.cuda.device_count()
+                sampler = DistributedSampler(dataset, rank=rank, shuffle=True)  # expect: DD206
+                loader = DataLoader(dataset, sampler=sampler)
+            """
+        ),
         Example(
             """
             import argparse
@@ -199,7 +214,7 @@ class SamplerShardedByLocalRank(Rule):
             replicas = syntax.argument(call, 1, "num_replicas")
             if rank is not None:
                 source = local_rank_source(ctx, trace, step, trace.value(rank, step))
-                if source is not None and not _also_a_global_rank(trace, rank):
+                if source is not None and not _also_a_global_rank(trace, rank, step):
                     yield Report(rank, _message(f"rank= is the local rank ({source})"))
                     continue
             if replicas is not None and is_one_node_count(ctx, replicas) and not _spawn_job(ctx, trace, step, rank):
@@ -211,22 +226,31 @@ class SamplerShardedByLocalRank(Rule):
             if rank is None or not any(syntax.keyword(call, name) is not None for name in SHARD_COUNTS):
                 continue
             source = local_rank_source(ctx, trace, step, trace.value(rank, step))
-            if source is not None and not _also_a_global_rank(trace, rank):
+            if source is not None and not _also_a_global_rank(trace, rank, step):
                 yield Report(rank, _message(f"rank= is the local rank ({source})"))
 
 
-def _also_a_global_rank(trace: Trace, rank: cst.BaseExpression) -> bool:
+def _also_a_global_rank(trace: Trace, rank: cst.BaseExpression, at: Step) -> bool:
     """The name passed as `rank=` is bound to the global rank on some other branch
     (`shard_rank = local_rank` when shards are per node, `shard_rank = rank` when they span the
     job): which one reaches the sampler depends on the configuration, so the rule stays silent."""
     name = dotted(rank)
     if name is None:
         return False
-    for step in trace.steps:
-        if isinstance(step.node, cst.Assign) and any(dotted(t.target) == name for t in step.node.targets):
-            value = trace.value(step.node.value, step)
-            if value is not None and value.kind == kinds.RANK:
-                return True
+    bindings = [
+        step
+        for step in trace.steps[: at.index]
+        if isinstance(step.node, cst.Assign) and any(dotted(t.target) == name for t in step.node.targets)
+    ]
+    for position, step in enumerate(bindings):
+        value = trace.value(step.node.value, step)
+        if value is None or value.kind != kinds.RANK:
+            continue
+        # `rank = dist.get_rank()` then `rank = rank % device_count()` in the same block: the
+        # global rank never reaches the sampler.
+        if any(later.guards == step.guards for later in bindings[position + 1 :]):
+            continue
+        return True
     return False
 
 

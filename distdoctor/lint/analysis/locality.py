@@ -82,6 +82,10 @@ def local_rank_source(ctx, trace: Trace, step: Step, value: Value | None) -> str
     if value.origin == "call" and isinstance(value.node, cst.Call):
         if (ctx.qualname(value.node.func) or "") in ("horovod.torch.local_rank", "horovod.local_rank"):
             return "hvd.local_rank()"
+    if value.origin == "modulo" and isinstance(value.node, cst.BinaryOperation):
+        divisor = value.node.right
+        if isinstance(divisor, cst.Call) and (ctx.qualname(divisor.func) or "") == "torch.cuda.device_count":
+            return f"`{ctx.code(value.node)}`, the rank modulo the GPUs of one node"
     return None
 
 
