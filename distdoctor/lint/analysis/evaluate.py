@@ -256,7 +256,7 @@ class Evaluator:
             index = node.slice[0].slice
             if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
                 key = str(index.value.evaluated_value)
-                if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                if key in _LAUNCHER_VARIABLES:
                     return env_value(key, node)
                 # A dict of the parsed arguments (`args = vars(args)` ... `args["local_rank"]`)
                 # is read by its keys, as `args.local_rank` is by its attribute.

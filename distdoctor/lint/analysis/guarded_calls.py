@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, frameworks, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, kinds, scope, syntax
 from distdoctor.lint.analysis.context import LintContext, RankGuard
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.sharding import FSDP2, FSDP_CLASS, FULLY_SHARD, PARALLELIZE
@@ -72,9 +72,6 @@ def unmatched(ctx: LintContext, trace: Trace, found: list[Event]) -> Iterable[Ev
             yield event
 
 
-_SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
-
-
 def off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bool:
     """`step` is in another branch than every start of the process group on its path (`if
     command == "train": train()` ... `elif command == "export": torch.save(...)`; `if "--ddp" in
@@ -84,7 +81,8 @@ def off_the_distributed_branch(ctx: LintContext, trace: Trace, step: Step) -> bo
     return trace.only_in_other_branches(
         step,
         lambda call: (dotted(call.func) or "").rsplit(".", 1)[-1] in frameworks.PROCESS_GROUP_STARTERS
-        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP, *_SPAWNS),
+        or ctx.qualname(call.func) in (frameworks.HOROVOD_INIT, frameworks.DDP)
+        or scope.is_spawn(ctx.qualname(call.func) or ""),
     )
 
 
