@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, names, syntax
+from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -27,7 +27,10 @@ class AccumulationWithoutNoSync(Rule):
     step follows), and the script never uses `model.no_sync()` (or sets
     `require_backward_grad_sync`, or calls `accelerator.accumulate(model)`). An attribute that
     merely holds the accumulation count (`self.accumulate = 8`) is no sync control. The finding
-    points at the backward call.
+    points at the backward call. The loss scaler of MAE and the code built on it (Swin, ConvNeXt,
+    DUSt3R, ...) counts as both: `loss_scaler(loss, optimizer, update_grad=(i + 1) % accum == 0)`
+    runs the backward on every call and steps only when `update_grad` is true; it is silent where
+    the count is at most 1 (the `else` of `if accum > 1:`).
 
     ## Why is this bad?
     DDP all-reduces the gradients in every backward pass it sees. With accumulation only the last
@@ -64,7 +67,10 @@ class AccumulationWithoutNoSync(Rule):
     name = "accumulation-without-no-sync"
     severity = "warning"
     summary = "gradient accumulation on DDP without no_sync(): k-1 wasted all-reduces per step"
-    requires = (frameworks.DISTRIBUTED_WORDS, frozenset({"backward"}), frozenset({"step"}))
+    # `update_grad=`: the loss scaler of MAE and its many descendants runs the backward itself.
+    requires = (
+        frameworks.DISTRIBUTED_WORDS, frozenset({"backward", "update_grad"}), frozenset({"step", "update_grad"})
+    )
 
     invalid = (
         Example(
@@ -207,8 +213,60 @@ class AccumulationWithoutNoSync(Rule):
                 optimizer.zero_grad()
             """
         ),
+        Example(
+            # The loss scaler of MAE and its descendants runs the backward on every call and steps
+            # only when `update_grad` is true.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from util.misc import NativeScalerWithGradNormCount
+
+            def train_one_epoch(model, loader, optimizer, loss_scaler, accum_iter):
+                for step, (x, y) in enumerate(loader):
+                    loss = model(x, y) / accum_iter
+                    loss_scaler(loss, optimizer, parameters=model.parameters(),  # expect: DD103
+                                update_grad=(step + 1) % accum_iter == 0)
+                    if (step + 1) % accum_iter == 0:
+                        optimizer.zero_grad()
+
+            def main(args):
+                torch.distributed.init_process_group("nccl")
+                model = DDP(Net().cuda(), device_ids=[args.gpu])
+                optimizer = torch.optim.AdamW(model.parameters())
+                train_one_epoch(model, loader, optimizer, NativeScalerWithGradNormCount(), args.accum_iter)
+            """
+        ),
     )
     valid = (
+        Example(
+            # Without accumulation (the `else` of `if accum > 1:`) every call steps.
+            """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            torch.distributed.init_process_group("nccl")
+            model = DDP(Net().cuda())
+            optimizer = torch.optim.AdamW(model.parameters())
+            for idx, (x, y) in enumerate(loader):
+                loss = model(x, y)
+                if config.accumulation_steps > 1:
+                    accumulate_with_skipped_syncs(model, loss, optimizer, idx)
+                else:
+                    loss_scaler(loss, optimizer, update_grad=(idx + 1) % config.accumulation_steps == 0)
+            """
+        ),
+        Example(
+            # The same scaler on a model that is not wrapped in DDP: nothing is all-reduced.
+            """
+            import torch
+
+            model = Net().cuda()
+            optimizer = torch.optim.AdamW(model.parameters())
+            for step, (x, y) in enumerate(loader):
+                loss = model(x, y) / accum_iter
+                loss_scaler(loss, optimizer, update_grad=(step + 1) % accum_iter == 0)
+            """
+        ),
         Example(
             # A one-off profiled step that ends the program: no accumulation cycle.
             """
@@ -326,7 +384,10 @@ class AccumulationWithoutNoSync(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.may_call_method("step") or not ctx.uses_torch_distributed or _controls_sync(ctx):
+        if not ctx.uses_torch_distributed or _controls_sync(ctx):
+            return
+        yield from _scaler_accumulations(ctx)
+        if not ctx.may_call_method("step"):
             return  # an optimizer step is `<optimizer>.step()` or `<scaler>.step(optimizer)`
         for trace in ctx.traces:
             for step, call in trace.calls():
@@ -341,6 +402,69 @@ class AccumulationWithoutNoSync(Rule):
                         "all-reduces, though only the last one before optimizer.step() needs to. Run the other "
                         "micro-batches' forward and backward inside `with model.no_sync():`.",
                     )
+
+
+def _scaler_accumulations(ctx: LintContext) -> Iterable[Report]:
+    """`loss_scaler(loss, optimizer, parameters=model.parameters(), update_grad=(i + 1) % accum == 0)`
+    in a loop, with a DDP model in scope: the scaler of MAE (`NativeScalerWithGradNormCount`) and
+    the code built on it runs `scale(loss).backward()` on every call and steps the optimizer only
+    when `update_grad` is true. Reported once per call."""
+    seen: set[int] = set()
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            if id(call) in seen or not step.loops:
+                continue
+            periodic = [
+                arg.value
+                for arg in call.args
+                if arg.keyword is not None and arg.keyword.value == "update_grad" and _is_periodic(arg.value)
+            ]
+            if not periodic or not any(value.kind == kinds.DDP for value in step.env.values()):
+                continue
+            if _count_at_most_one(step, periodic[0]):
+                continue
+            if _ends_the_program(ctx, call):
+                continue
+            seen.add(id(call))
+            yield Report(
+                call,
+                "gradient accumulation on a DDP model without no_sync(): this loss scaler runs backward() on every "
+                "micro-batch and steps the optimizer only when `update_grad` is true, so every micro-batch's "
+                "backward all-reduces, though only the last one before the step needs to. Run the other "
+                "micro-batches inside `with model.no_sync():`.",
+            )
+
+
+_COMPARE = {
+    cst.GreaterThan: lambda a, b: a > b,
+    cst.GreaterThanEqual: lambda a, b: a >= b,
+    cst.LessThan: lambda a, b: a < b,
+    cst.LessThanEqual: lambda a, b: a <= b,
+    cst.Equal: lambda a, b: a == b,
+    cst.NotEqual: lambda a, b: a != b,
+}
+
+
+def _count_at_most_one(step: Step, periodic: cst.BaseExpression) -> bool:
+    """The accumulation count `k` of `(i + 1) % k == 0` is at most 1 where `step` runs: in the
+    `else` of `if k > 1:` or under `if k == 1:`, where every iteration steps."""
+    divisors = {
+        names.dotted(node.right)
+        for node in syntax.walk(periodic)
+        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo)
+    } - {None}
+    for guard in step.guards:
+        test = guard.test
+        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+            continue
+        compare = _COMPARE.get(type(test.comparisons[0].operator))
+        known, bound = syntax.const_value(test.comparisons[0].comparator)
+        if compare is None or not known or not isinstance(bound, int) or names.dotted(test.left) not in divisors:
+            continue
+        allowed = [k for k in range(0, 4) if compare(k, bound) != guard.negated]
+        if allowed and max(allowed) <= 1:
+            return True
+    return False
 
 
 _EXITS = frozenset({"exit", "quit", "sys.exit", "os._exit"})
