@@ -9,7 +9,7 @@ import libcst as cst
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.names import dotted
-from distdoctor.lint.analysis.locality import LOCALHOST, local_rank_source, one_node_size, pinned_to_localhost
+from distdoctor.lint.analysis.locality import local_rank_source, on_this_machine, one_node_size, pinned_to_localhost
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -193,33 +193,4 @@ def _one_node(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> boo
     size = trace.value(world, step) if world is not None else None
     if size is not None and size.kind == kinds.CONST and isinstance(size.attrs.get("value"), int):
         return True
-    return _on_this_machine(ctx, syntax.argument(call, 1, "init_method"), 0)
-
-
-def _on_this_machine(ctx: LintContext, url: cst.BaseExpression | None, depth: int) -> bool:
-    """An init_method that names this machine: `"tcp://127.0.0.1:23456"`, `"tcp://localhost:" +
-    str(port)`, `f"tcp://localhost:{port}"`, or a name or attribute every assignment of which in
-    the file is one (`args.url = url` in the function that picks a free port and spawns)."""
-    if url is None or depth > 3:
-        return False
-    if isinstance(url, (cst.Name, cst.Attribute)):
-        last = (dotted(url) or "").rsplit(".", 1)[-1]
-        values = [
-            node.value
-            for node in ctx.nodes(cst.Assign)
-            for target in node.targets
-            if (dotted(target.target) or "").rsplit(".", 1)[-1] == last
-            and (dotted(node.value) or "").rsplit(".", 1)[-1] != last  # `args.url = url` adds nothing
-        ]
-        return bool(last) and bool(values) and all(_on_this_machine(ctx, value, depth + 1) for value in values)
-    prefix = url
-    while isinstance(prefix, cst.BinaryOperation) and isinstance(prefix.operator, cst.Add):
-        prefix = prefix.left
-    if isinstance(prefix, cst.FormattedString):
-        head = prefix.parts[0] if prefix.parts else None
-        text = head.value if isinstance(head, cst.FormattedStringText) else ""
-    elif isinstance(prefix, cst.SimpleString):
-        text = prefix.evaluated_value if isinstance(prefix.evaluated_value, str) else ""
-    else:
-        return False
-    return text.startswith(tuple(f"tcp://{host}:" for host in LOCALHOST))
+    return on_this_machine(ctx, syntax.argument(call, 1, "init_method"))

@@ -57,6 +57,41 @@ class DDPModuleBypass(Rule):
 
     invalid = (
         Example(
+            # The wrapper stored on the instance from outside the class, bypassed inside a method.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            class EmbeddingTrainer:
+                def __init__(self, device):
+                    self.model = EmbeddingModel().to(device)
+                    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-5)
+
+                def train(self, loader):
+                    for input_ids, mask in loader:
+                        embeddings = self.model.module(input_ids, mask)  # expect: DD102
+                        loss = contrastive_loss(embeddings)
+                        self.optimizer.zero_grad()
+                        loss.backward()
+                        self.optimizer.step()
+
+
+            def worker(rank, world_size):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+                torch.cuda.set_device(rank)
+                trainer = EmbeddingTrainer(rank)
+                trainer.model = DDP(trainer.model, device_ids=[rank])
+                trainer.train(make_loader(rank, world_size))
+
+
+            if __name__ == "__main__":
+                mp.spawn(worker, args=(torch.cuda.device_count(),), nprocs=torch.cuda.device_count())
+            """
+        ),
+        Example(
             # A method of the inner module computes the loss: no DDP forward at all.
             """
             import torch
@@ -158,6 +193,42 @@ class DDPModuleBypass(Rule):
         ),
     )
     valid = (
+        Example(
+            # The wrapper is stored on the instance from outside the class (`trainer.model =
+            # DDP(trainer.model)`): the methods called afterwards see it as `self.model`.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            class EmbeddingTrainer:
+                def __init__(self, device):
+                    self.model = EmbeddingModel().to(device)
+                    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-5)
+
+                def train(self, loader):
+                    for input_ids, mask in loader:
+                        embeddings = self.model(input_ids, mask)
+                        loss = contrastive_loss(embeddings)
+                        self.optimizer.zero_grad()
+                        loss.backward()
+                        self.optimizer.step()
+
+
+            def worker(rank, world_size):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+                torch.cuda.set_device(rank)
+                trainer = EmbeddingTrainer(rank)
+                trainer.model = DDP(trainer.model, device_ids=[rank])
+                trainer.train(make_loader(rank, world_size))
+
+
+            if __name__ == "__main__":
+                mp.spawn(worker, args=(torch.cuda.device_count(),), nprocs=torch.cuda.device_count())
+            """
+        ),
         Example(
             # The forward goes through the wrapper; the inner module's method only scores it.
             """

@@ -261,6 +261,30 @@ class CollectiveInRankBranch(Rule):
     )
     valid = (
         Example(
+            # The rank of a LoRA adapter (a matrix rank) says nothing about the process: every process
+            # saves the adapters.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            class Strategy:
+                def __init__(self, model_config):
+                    dist.init_process_group("nccl")
+                    self.is_lora = model_config.lora.rank > 0
+
+                def _save_adapters(self, model, path):
+                    if dist.get_rank() == 0:
+                        model.save_pretrained(path)
+                    dist.barrier()
+
+                def save(self, model, path):
+                    if self.is_lora:
+                        self._save_adapters(model, path)
+                    torch.save(model.state_dict(), path) if dist.get_rank() == 0 else None
+            """
+        ),
+        Example(
             # A collective over a group of its own: its members are who must join, which the file does not show.
             """
             import torch.distributed as dist

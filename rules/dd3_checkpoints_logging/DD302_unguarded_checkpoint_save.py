@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, frameworks, guarded_calls, kinds, syntax
+from distdoctor.lint.analysis import evaluate, frameworks, guarded_calls, kinds, locality, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, flag_test
 from distdoctor.lint.analysis.names import dotted
@@ -378,6 +378,82 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # A flag of the options handed to the project's init_dist() (which sets it on one rank),
+            # as one term of an `and`.
+            """
+            import torch
+            from project.env import init_dist
+            from project.opt import opt
+
+
+            def main_worker(gpu, opt):
+                opt.gpu = gpu
+                init_dist(opt)
+                model = torch.nn.parallel.DistributedDataParallel(Net().cuda(gpu), device_ids=[gpu])
+                best_err = float("inf")
+                for epoch in range(opt.epochs):
+                    train(model)
+                    err = validate(model)
+                    if opt.log and err <= best_err:
+                        best_err = err
+                        torch.save(model.module.state_dict(), "best_model.pth")
+
+
+            if __name__ == "__main__":
+                torch.multiprocessing.spawn(main_worker, nprocs=torch.cuda.device_count(), args=(opt,))
+            """
+        ),
+        Example(
+            # The spawn index is the rank of a group that meets at 127.0.0.1: one node, one writer.
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+
+
+            def worker(worker_idx, args):
+                dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_gpus, rank=worker_idx)
+                torch.cuda.set_device(worker_idx)
+                model = torch.nn.parallel.DistributedDataParallel(Net().cuda(), device_ids=[worker_idx])
+                verbose = worker_idx == 0
+                for epoch in range(args.epochs):
+                    train(model)
+                    if verbose:
+                        torch.save(model.module.state_dict(), "model.pth")
+
+
+            if __name__ == "__main__":
+                args = parse_args()
+                mp.spawn(worker, nprocs=args.num_gpus, args=(args,))
+            """
+        ),
+        Example(
+            # MASTER_ADDR pinned to this machine in the launched run: one node, where local rank 0 is
+            # rank 0.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+
+            args = parse_args()
+            args.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            args.distributed = False
+            if "WORLD_SIZE" in os.environ:
+                args.distributed = int(os.environ["WORLD_SIZE"]) > 1
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = "9901"
+            if args.distributed:
+                torch.cuda.set_device(args.local_rank)
+                dist.init_process_group("nccl", init_method="env://")
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(), device_ids=[args.local_rank])
+            for epoch in range(args.epochs):
+                train(model)
+                if args.local_rank == 0:
+                    torch.save(model.module.state_dict(), "checkpoint.pth")
+            """
+        ),
         Example(
             # `args.dist == "OFF"` and `args.dist == "ON"`: the first save runs in the single-process branch.
             """
@@ -983,6 +1059,8 @@ class UnguardedCheckpointSave(Rule):
                 continue
             if zero_guards and _snapshot_read_back_on_every_rank(ctx, syntax.argument(call, 1, "f")):
                 continue
+            if zero_guards and locality.one_node_job(ctx):
+                continue  # MASTER_ADDR pinned to this machine, or a rendezvous at 127.0.0.1: local rank 0 is rank 0
             if zero_guards:
                 line = ctx.position(zero_guards[-1].guard.test).start.line
                 message = (
@@ -1069,25 +1147,41 @@ def _under_flag_set_by_starter(ctx: LintContext, trace: Trace, step: Step) -> bo
     sets or declares that flag: the helper most likely set it on one rank (`opt.log = rank == 0`),
     which this file cannot show. Cannot tell: stay silent."""
     for guard in step.guards:
-        flag = flag_test(guard.test)
-        if flag is None or "." not in flag[0]:
+        # The flag alone, or one term of `if opt.log and err < best:` (both must hold to save).
+        terms = [guard.test]
+        while not guard.negated and any(_conjunction(term) for term in terms):
+            terms = [side for term in terms for side in ((term.left, term.right) if _conjunction(term) else (term,))]
+        if any(_set_by_starter(ctx, trace, step, term) for term in terms):
+            return True
+    return False
+
+
+def _conjunction(test: cst.BaseExpression) -> bool:
+    return isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And)
+
+
+def _set_by_starter(ctx: LintContext, trace: Trace, step: Step, test: cst.BaseExpression) -> bool:
+    """`test` reads a flag of an object handed to a process-group helper of another module
+    before `step`, and nothing in this file sets or declares it."""
+    flag = flag_test(test)
+    if flag is None or "." not in flag[0]:
+        return False
+    value = trace.value(test, step)
+    if value is not None and value.kind != kinds.UNKNOWN:
+        return False
+    holder, _, attribute = flag[0].rpartition(".")
+    if _set_or_declared_here(ctx, attribute):
+        return False
+    for other, call in trace.calls():
+        if other.index >= step.index:
+            break
+        helper = dotted(call.func) or ""
+        if helper.rsplit(".", 1)[-1] not in frameworks.PROCESS_GROUP_STARTERS or ctx.qualname(call.func) == frameworks.INIT_PROCESS_GROUP:
             continue
-        value = trace.value(guard.test, step)
-        if value is not None and value.kind != kinds.UNKNOWN:
-            continue
-        holder, _, attribute = flag[0].rpartition(".")
-        if _set_or_declared_here(ctx, attribute):
-            continue
-        for other, call in trace.calls():
-            if other.index >= step.index:
-                break
-            helper = dotted(call.func) or ""
-            if helper.rsplit(".", 1)[-1] not in frameworks.PROCESS_GROUP_STARTERS or ctx.qualname(call.func) == frameworks.INIT_PROCESS_GROUP:
-                continue
-            if helper in ctx.info.functions:
-                continue  # a function of this module: inlined, its assignments are known
-            if any(dotted(arg.value) == holder for arg in call.args):
-                return True
+        if helper in ctx.info.functions:
+            continue  # a function of this module: inlined, its assignments are known
+        if any(dotted(arg.value) == holder for arg in call.args):
+            return True
     return False
 
 

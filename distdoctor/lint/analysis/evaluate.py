@@ -133,6 +133,8 @@ class Evaluator:
         # is read by its name, as `args.rank` is.
         if attr in MAIN_PROCESS_FUNCS:
             return rank_test(node, True, origin="attr")
+        if text is not None and _LOW_RANK_OWNER.search(text.rsplit(".", 1)[0].lower()):
+            return unknown  # `config.lora.rank`, `peft_config.rank`: the rank of a low-rank adapter
         return _by_name(attr, node, "attr", text) or unknown
 
     # literals --------------------------------------------------------------------------------
@@ -434,6 +436,10 @@ def _property_return(ctx: ModuleInfo, cls: cst.ClassDef, attr: str) -> cst.BaseE
         return None
     statement = body[0].body[0]
     return statement.value if isinstance(statement, cst.Return) else None
+
+
+# Objects whose `.rank` is the rank of a matrix factorisation, not of a process.
+_LOW_RANK_OWNER = re.compile(r"lora|peft|adapter|low_rank|lowrank")
 
 
 def _by_name(name: str, node: cst.CSTNode, origin: str, text: str | None = None) -> Value | None:

@@ -4,6 +4,8 @@ are right on one node and wrong on several (DD006, DD206)."""
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from distdoctor.lint.analysis import kinds, names, syntax
@@ -62,13 +64,66 @@ def pinned_to_localhost(ctx) -> bool:
             continue
         for target in node.targets:
             if isinstance(target.target, cst.Subscript) and "MASTER_ADDR" in ctx.code(target.target):
-                # Under `if args.use_ddp:` it is still the address of the distributed run; under
-                # `if "MASTER_ADDR" not in os.environ:` it is a fallback the launcher overrides.
-                if not any(
-                    isinstance(parent, cst.If) and "environ" in ctx.code(parent.test) for parent in ctx.ancestors(node)
-                ):
+                if _pins_every_run(ctx, node):
                     return True
     return False
+
+
+_LAUNCHED = re.compile(r"\b(RANK|WORLD_SIZE|LOCAL_RANK)\b")
+
+
+def _pins_every_run(ctx, node: cst.CSTNode) -> bool:
+    """Whether the address set by `node` holds for every distributed run. Under `if args.use_ddp:`
+    it is still the address of the distributed run, and so it is in the body of `if "WORLD_SIZE"
+    in os.environ:` (the launched run itself); under `if "MASTER_ADDR" not in os.environ:` it is a
+    fallback the launcher overrides, and under another test of the environment (`if "SLURM_JOB_ID"
+    in os.environ: ... else:`) there may be a run that sets it otherwise."""
+    inner = node
+    for parent in ctx.ancestors(node):
+        if isinstance(parent, cst.If) and "environ" in ctx.code(parent.test):
+            test = ctx.code(parent.test)
+            if "MASTER_ADDR" in test or not (_LAUNCHED.search(test) and inner is parent.body):
+                return False
+        inner = parent
+    return True
+
+
+def on_this_machine(ctx, url: cst.BaseExpression | None, depth: int = 0) -> bool:
+    """An init_method that names this machine: `"tcp://127.0.0.1:23456"`, `"tcp://localhost:" +
+    str(port)`, `f"tcp://localhost:{port}"`, or a name or attribute every assignment of which in
+    the file is one (`args.url = url` in the function that picks a free port and spawns)."""
+    if url is None or depth > 3:
+        return False
+    if isinstance(url, (cst.Name, cst.Attribute)):
+        last = (names.dotted(url) or "").rsplit(".", 1)[-1]
+        values = [
+            node.value
+            for node in ctx.nodes(cst.Assign)
+            for target in node.targets
+            if (names.dotted(target.target) or "").rsplit(".", 1)[-1] == last
+            and (names.dotted(node.value) or "").rsplit(".", 1)[-1] != last  # `args.url = url` adds nothing
+        ]
+        return bool(last) and bool(values) and all(on_this_machine(ctx, value, depth + 1) for value in values)
+    prefix = url
+    while isinstance(prefix, cst.BinaryOperation) and isinstance(prefix.operator, cst.Add):
+        prefix = prefix.left
+    if isinstance(prefix, cst.FormattedString):
+        head = prefix.parts[0] if prefix.parts else None
+        text = head.value if isinstance(head, cst.FormattedStringText) else ""
+    elif isinstance(prefix, cst.SimpleString):
+        text = prefix.evaluated_value if isinstance(prefix.evaluated_value, str) else ""
+    else:
+        return False
+    return text.startswith(tuple(f"tcp://{host}:" for host in LOCALHOST))
+
+
+def one_node_job(ctx) -> bool:
+    """The script can only run on one machine: it pins MASTER_ADDR to this machine, or every
+    process group it starts meets its peers at this machine's address."""
+    if pinned_to_localhost(ctx):
+        return True
+    calls = [call for call in ctx.nodes(cst.Call) if (names.dotted(call.func) or "").rsplit(".", 1)[-1] == "init_process_group"]
+    return bool(calls) and all(on_this_machine(ctx, syntax.argument(call, 1, "init_method")) for call in calls)
 
 
 def local_rank_source(ctx, trace: Trace, step: Step, value: Value | None) -> str | None:

@@ -402,6 +402,12 @@ class _Builder:
         if not value.name and (text := dotted(target)):
             value = replace(value, name=text)
         self.env = self.env.bind(key, value)
+        if isinstance(target, cst.Attribute) and key[0] != "self":
+            # `trainer.model = DDP(trainer.model)` on an instance of a class of this module is its
+            # `self.model` in the methods called afterwards.
+            owner = self.evaluate(target.value, frame, {})
+            if owner is not None and owner.kind == INSTANCE and owner.attrs.get("class"):
+                self.env = self.env.bind(("self", owner.attrs["class"], target.attr.value), value)
 
     # calls -----------------------------------------------------------------------------------
     def inline_calls(self, small, frame, loops, guards) -> dict[int, Value | None]:
