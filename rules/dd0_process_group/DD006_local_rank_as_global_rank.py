@@ -8,7 +8,6 @@ import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.locality import local_rank_source, on_this_machine, one_node_size, pinned_to_localhost
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
