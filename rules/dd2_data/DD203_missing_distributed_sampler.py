@@ -205,6 +205,53 @@ class MissingDistributedSampler(Rule):
     )
     valid = (
         Example(
+            # The loader without a sampler is made in the `else` of `if
+            # is_dist_avail_and_initialized():`, where one process trains.
+            """
+            import torch
+            import torch.nn as nn
+            import utils.tools as tools
+
+
+            class Trainer:
+                def __init__(self, settings, model, trainset):
+                    self.settings = settings
+                    self.model = model.cuda()
+                    self.train_loader, self.train_sampler = self._init_loader(trainset)
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+                    if tools.is_dist_avail_and_initialized():
+                        self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[settings.gpu])
+
+                def _init_loader(self, trainset):
+                    if tools.is_dist_avail_and_initialized():
+                        sampler = torch.utils.data.distributed.DistributedSampler(trainset)
+                        loader = torch.utils.data.DataLoader(trainset, batch_size=8, sampler=sampler)
+                        return loader, sampler
+                    else:
+                        loader = torch.utils.data.DataLoader(trainset, batch_size=8, shuffle=True)
+                        return loader, None
+
+                def run(self):
+                    for epoch in range(self.settings.n_epochs):
+                        if self.train_sampler is not None:
+                            self.train_sampler.set_epoch(epoch)
+                        for x, y in self.train_loader:
+                            loss = self.model(x, y)
+                            self.optimizer.zero_grad()
+                            loss.backward()
+                            self.optimizer.step()
+
+
+            def main():
+                tools.init_distributed_mode(settings)
+                Trainer(settings, build_model(), build_dataset()).run()
+
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
+        Example(
             # The single-GPU baseline beside the DDP run: its branch never starts the process group.
             """
             import sys
@@ -403,6 +450,8 @@ class MissingDistributedSampler(Rule):
                 continue
             if guarded_calls.off_the_distributed_branch(ctx, trace, step):
                 continue  # `else: train_single_gpu()` beside `if ddp: train_ddp()`: one process
+            if guarded_calls.single_process_only(ctx, step):
+                continue  # made in the `else` of `if is_dist_avail_and_initialized():`: one process
             reported.add(id(call))
             horovod = ctx.uses_horovod and not any(True for _ in ctx.calls(DDP))
             extra = ", num_replicas=hvd.size(), rank=hvd.rank()" if horovod else ""

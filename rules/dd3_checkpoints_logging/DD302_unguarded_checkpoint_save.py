@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import evaluate, frameworks, guarded_calls, kinds, locality, syntax
+from distdoctor.lint.analysis import devices, evaluate, frameworks, guarded_calls, kinds, locality, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, flag_test
 from distdoctor.lint.analysis.names import dotted
@@ -106,7 +106,11 @@ class UnguardedCheckpointSave(Rule):
     snapshot saved once per node to a path every rank loads back at start (torchrun's
     fault-tolerance pattern: with storage local to each node, each node needs its own copy), and
     SageMaker scripts that run one process per host (`rank = hosts.index(current_host)`), each
-    writing its own host's model folder.
+    writing its own host's model folder, and scripts of the Kubeflow PyTorchJob shape (a backend
+    the user picks, `backend=args.backend`, and no device selected per process: one process per
+    pod, each writing into its own container). Jobs that can only run on one machine
+    (MASTER_ADDR pinned to it, a rendezvous at `tcp://127.0.0.1`) make a local-rank guard a
+    global one.
 
     A condition that mixes a rank test with another test is read as Python reads it: in
     `if is_main and step % k == 0 or step in milestones:` the rank test covers only the `and`,
@@ -147,6 +151,41 @@ class UnguardedCheckpointSave(Rule):
     requires = (frameworks.MULTI_PROCESS_WORDS, frameworks.SAVE_WORDS)
 
     invalid = (
+        Example(
+            # The same script selecting a GPU per process: several processes per machine.
+            """
+            import argparse
+            import os
+
+            import torch
+            import torch.distributed as dist
+            import torch.nn as nn
+
+
+            def main():
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--backend", default=dist.Backend.GLOO)
+                parser.add_argument("--epochs", type=int, default=1)
+                parser.add_argument("--save-model", action="store_true")
+                args = parser.parse_args()
+                use_cuda = torch.cuda.is_available()
+                device = torch.device("cuda" if use_cuda else "cpu")
+                dist.init_process_group(backend=args.backend)
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = Net().to(device)
+                model = nn.parallel.DistributedDataParallel(model)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+                for epoch in range(args.epochs):
+                    train(model, device, loader, optimizer)
+                if args.save_model:
+                    torch.save(model.state_dict(), "mnist_cnn.pt")  # expect: DD302
+
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
         Example(
             # A property that returns a local-rank test is that test: true once per node.
             """
@@ -378,6 +417,81 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # A per-node snapshot every rank loads back through a load helper whose parameter is given
+            # the same path name.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+
+
+            def save_checkpoint(model, epoch, output_dir, local_rank):
+                if local_rank == 0:
+                    checkpoint_path = os.path.join(output_dir, f"checkpoint_{epoch}.pt")
+                    torch.save({"epoch": epoch, "state_dict": model.state_dict()}, checkpoint_path)
+
+
+            def load_checkpoint(model, filepath):
+                checkpoint = torch.load(filepath, map_location="cpu")
+                model.load_state_dict(checkpoint["state_dict"])
+                return checkpoint["epoch"]
+
+
+            def main(args):
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl")
+                model = Net().cuda()
+                start = 0
+                if args.resume_from_last:
+                    args.checkpoint_path = latest_checkpoint(args.output)
+                if args.checkpoint_path:
+                    start = load_checkpoint(model, args.checkpoint_path)
+                model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+                for epoch in range(start, args.epochs):
+                    train(model)
+                    save_checkpoint(model.module, epoch, args.output, local_rank)
+
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
+        Example(
+            # Kubeflow's PyTorchJob shape: a backend the user picks and no device chosen per process,
+            # one process per pod, each writing into its own container.
+            """
+            import argparse
+
+            import torch
+            import torch.distributed as dist
+            import torch.nn as nn
+
+
+            def main():
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--backend", default=dist.Backend.GLOO)
+                parser.add_argument("--epochs", type=int, default=1)
+                parser.add_argument("--save-model", action="store_true")
+                args = parser.parse_args()
+                use_cuda = torch.cuda.is_available()
+                device = torch.device("cuda" if use_cuda else "cpu")
+                dist.init_process_group(backend=args.backend)
+                model = Net().to(device)
+                model = nn.parallel.DistributedDataParallel(model)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+                for epoch in range(args.epochs):
+                    train(model, device, loader, optimizer)
+                if args.save_model:
+                    torch.save(model.state_dict(), "mnist_cnn.pt")
+
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
         Example(
             # A flag of the options handed to the project's init_dist() (which sets it on one rank),
             # as one term of an `and`.
@@ -1026,8 +1140,8 @@ class UnguardedCheckpointSave(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not _multi_process(ctx) or "current_host" in ctx.source:
-            return  # SageMaker's `hosts.index(current_host)`: one process per host, each on its own disk
+        if not _multi_process(ctx) or "current_host" in ctx.source or devices.one_process_per_host(ctx):
+            return  # SageMaker's `hosts.index(current_host)`, Kubeflow's pods: one process per host, each on its own disk
         for trace, step, call in ctx.calls(SAVE):
             if not ctx.is_entry(trace):
                 continue
@@ -1089,7 +1203,14 @@ def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression
         return False
     for trace, step, call in ctx.calls(LOAD):
         loaded = syntax.argument(call, 0, "f")
-        if loaded is not None and _path_key(ctx, loaded) == key and not ctx.rank_guards(trace, step, uncertain=True):
+        if loaded is None or ctx.rank_guards(trace, step, uncertain=True):
+            continue
+        if _path_key(ctx, loaded) == key:
+            return True
+        # A load helper's parameter (`load_checkpoint(model, args.checkpoint_path)` ... `def
+        # load_checkpoint(model, filepath): torch.load(filepath)`): the name it was given.
+        value = trace.value(loaded, step) if isinstance(loaded, cst.Name) else None
+        if value is not None and value.name and value.name.rsplit(".", 1)[-1] == key:
             return True
     return False
 

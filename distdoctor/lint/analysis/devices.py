@@ -213,6 +213,29 @@ def selects_device_explicitly(ctx) -> bool:
     return finder.found
 
 
+def one_process_per_host(ctx) -> bool:
+    """The mark of examples run one process per pod or host (Kubeflow's PyTorchJob, SageMaker):
+    every process group starts with a backend the user picks (`backend=args.backend`), no process
+    selects a device of its own (each has one GPU, `"cuda"`), and nothing spawns workers or uses
+    Horovod. Each process then also writes into its own container's disk."""
+    calls = [call for _, _, call in ctx.calls(INIT_PROCESS_GROUP)]
+    if not calls or ctx.uses_horovod or ctx.info.spawn_targets:
+        return False
+    if "local_rank" in ctx.source.lower() or "device_ids" in ctx.source:
+        return False  # a process per GPU of a machine
+    literal_names = {
+        dotted(target.target)
+        for node in ctx.nodes(cst.Assign)
+        if isinstance(node.value, cst.SimpleString)
+        for target in node.targets
+    }
+    for call in calls:
+        backend = syntax.argument(call, 0, "backend")
+        if not isinstance(backend, (cst.Name, cst.Attribute)) or dotted(backend) in literal_names:
+            return False  # `backend = "mpi"`: the script's own choice
+    return not selects_device_explicitly(ctx)
+
+
 def _current_device_names(ctx) -> set[str]:
     """Names assigned a device without index anywhere: `device = torch.device("cuda")`."""
     names: set[str] = set()
