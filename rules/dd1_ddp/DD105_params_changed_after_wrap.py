@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterable
 
 import libcst as cst
@@ -25,6 +27,10 @@ PLAIN_VALUE_BUILTINS = frozenset({
     "max", "min", "ord", "pow", "range", "repr", "reversed", "round", "set", "sorted", "str", "sum",
     "tuple", "zip",
 })
+# Attributes that by convention hold a copy no gradient reaches, updated from the trained
+# weights: BYOL's target network, MoCo's momentum encoder, an EMA or SWA model, a distillation
+# teacher. Assigning one after the wrap (often lazily) leaves DDP nothing to sync.
+UNTRAINED_COPY = re.compile(r"(^|_)(ema|target|teacher|momentum|shadow|swa|averaged)(_|$)")
 
 
 class ParamsChangedAfterWrap(Rule):
@@ -35,7 +41,8 @@ class ParamsChangedAfterWrap(Rule):
     `net.fc = ...` where `net` is the module passed to `DDP(net)`,
     `model.module.fc.weight = nn.Parameter(...)`. The assigned value must be something that can
     hold parameters (a call, a module); flags such as `.training`, in-place `.data` and
-    `.requires_grad` are not flagged.
+    `.requires_grad` are not flagged, nor are attributes that by convention hold a copy no
+    gradient reaches (`target_net`, `model_ema`, `teacher`, `momentum_encoder`).
 
     ## Why is this bad?
     At construction DDP records the parameters, broadcasts them from rank 0 and installs a
@@ -106,6 +113,37 @@ class ParamsChangedAfterWrap(Rule):
         ),
     )
     valid = (
+        Example(
+            # BYOL's target network, built lazily after the wrap: a copy no gradient reaches, updated
+            # by EMA.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            from project.byol import BYOL
+
+
+            def main(args):
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(BYOL(build_encoder()).cuda(), device_ids=[local_rank])
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+                if args.resume:
+                    checkpoint = torch.load(args.resume, map_location="cpu")
+                    model.module.target_net = model.module.build_target_encoder()
+                    model.module.load_state_dict(checkpoint["model"])
+                for epoch in range(args.epochs):
+                    train_one_epoch(model, optimizer)
+
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
         Example(
             # The builder runs twice: each run changes its own fresh model, then wraps it.
             """
@@ -191,6 +229,8 @@ class ParamsChangedAfterWrap(Rule):
                 for target in targets:
                     if not isinstance(target, cst.Attribute) or target.attr.value in NOT_PARAMETERS:
                         continue
+                    if UNTRAINED_COPY.search(target.attr.value.lower()):
+                        continue  # `target_net`, `model_ema`, `teacher`: a copy no gradient reaches
                     wrapper = _wrapped_prefix(trace, step, target.value)
                     if wrapper is None or _own_wrap_comes_later(ctx, node, wrapper):
                         continue

@@ -139,6 +139,44 @@ class ClipOrder(Rule):
     )
     valid = (
         Example(
+            # A zero_grad() under a condition of its own between the backward and the clip: a NaN
+            # skip, not a step.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            class Trainer:
+                def __init__(self, network, local_rank):
+                    dist.init_process_group("nccl")
+                    torch.cuda.set_device(local_rank)
+                    self.network = torch.nn.parallel.DistributedDataParallel(network.cuda(), device_ids=[local_rank])
+                    self.optimizer = torch.optim.SGD(self.network.parameters(), lr=0.01)
+                    self.scaler = torch.cuda.amp.GradScaler()
+
+                def drop_bad_gradients(self):
+                    valid = all(torch.isfinite(p.grad).all() for p in self.network.parameters() if p.grad is not None)
+                    if not valid:
+                        self.optimizer.zero_grad()
+
+                def run(self, loader):
+                    for x, y in loader:
+                        self.optimizer.zero_grad()
+                        with torch.autocast("cuda"):
+                            loss = self.network(x, y)
+                        self.scaler.scale(loss).backward()
+                        self.scaler.unscale_(self.optimizer)
+                        self.drop_bad_gradients()
+                        torch.nn.utils.clip_grad_norm_(self.network.parameters(), 12)
+                        self.scaler.step(self.optimizer)
+                        self.scaler.update()
+
+
+            if __name__ == "__main__":
+                Trainer(build_network(), local_rank()).run(make_loader())
+            """
+        ),
+        Example(
             # The step of the other branch does not run before this clip.
             """
             import torch
@@ -309,10 +347,16 @@ class ClipOrder(Rule):
             # the clip in the same iteration: `if skipped: optimizer.zero_grad(); continue`.
             # An event in the other branch of an `if` the clip is in (`if fp16: optimize_fp16()
             # else: optimize_normal()`) does not run before it in the same pass.
+            # A zero_grad() under a condition of its own (`if not valid_gradients:
+            # optimizer.zero_grad()`, a NaN skip) drops this step's gradients on purpose; the
+            # clip after it is still in its place for every other iteration.
+            clip_guards = {id(guard.test) for guard in step.guards}
             kept = [
                 (s, kind)
                 for s, c, kind in events[:here]
-                if not _cut_off(ctx, s.node, call, step.loops[-1]) and not s.excludes(step)
+                if not _cut_off(ctx, s.node, call, step.loops[-1])
+                and not s.excludes(step)
+                and not (kind == ZERO and any(id(guard.test) not in clip_guards for guard in s.guards))
             ]
             before = [kind for _, kind in kept]
             after = [kind for _, _, kind in events[here + 1 :]]

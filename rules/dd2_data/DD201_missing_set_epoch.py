@@ -217,6 +217,36 @@ class MissingSetEpoch(Rule):
     )
     valid = (
         Example(
+            # A test-set prediction loader, read once per task: no epochs to reshuffle.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+
+            def predict(args, model, tasks):
+                for task, output_dir in tasks:
+                    pred_dataset = load_examples(task, split="test")
+                    pred_sampler = SequentialSampler(pred_dataset) if args.local_rank == -1 else DistributedSampler(pred_dataset)
+                    pred_dataloader = DataLoader(pred_dataset, sampler=pred_sampler, batch_size=32)
+                    for batch in pred_dataloader:
+                        with torch.no_grad():
+                            write_predictions(output_dir, model(batch))
+
+
+            def main(args):
+                dist.init_process_group("nccl")
+                torch.cuda.set_device(args.local_rank)
+                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda(), device_ids=[args.local_rank])
+                train(args, model)
+                predict(args, model, args.tasks)
+
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
+        Example(
             # set_epoch through the loader, in the body of a one-line `if`.
             """
             import torch

@@ -20,7 +20,10 @@ from distdoctor.lint.analysis.kinds import Value
 from distdoctor.lint.analysis.names import dotted
 
 EVAL_WORDS = frozenset(
-    {"val", "valid", "validation", "eval", "evaluation", "evaluate", "test", "testing", "dev", "holdout", "calib", "calibration"}
+    {
+        "val", "valid", "validation", "eval", "evaluation", "evaluate", "test", "testing", "dev", "holdout", "calib",
+        "calibration", "pred", "predict", "prediction", "inference", "infer",
+    }
 )
 # Calls whose result is consumed like the loader they wrap.
 WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "zip", "islice", "cycle", "next", "trange", "track"})
