@@ -63,9 +63,9 @@ class CollectiveInRankBranch(Rule):
     reducing helper, or it was handed to a collective) and when the check raises (the launcher
     then stops every rank).
 
-    A `break` under a rank condition inside a loop that makes such a call splits the ranks too:
-    early stopping decided on rank 0 (`if rank == 0: ... if stopper.should_stop(loss): break`)
-    leaves the epoch loop there while the others start the next epoch and wait in its
+    A `break` (or a `return` out of the loop's own function) under a rank condition inside a loop
+    that makes such a call splits the ranks too: early stopping decided on rank 0 (`if rank == 0:
+    ... if stopper.should_stop(loss): break`) leaves the epoch loop there while the others start the next epoch and wait in its
     all-reduce. Silent when the whole loop runs under the rank condition (a rank-0 learning-rate
     search), or when the decision is broadcast first and every rank breaks on it.
 
@@ -107,6 +107,44 @@ class CollectiveInRankBranch(Rule):
     summary = "collective or sharded forward reachable on some ranks only: the job hangs"
 
     invalid = (
+        Example(
+            # Early stopping by `return` from the training function, decided on rank 0 only: the other
+            # ranks go on into the next epoch's all-reduce.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(args, model, loader, optimizer):
+                best, patience = 0.0, 0
+                for epoch in range(args.epochs):
+                    for x, y in loader:
+                        loss = model(x, y)
+                        optimizer.zero_grad()
+                        loss.backward()
+                        optimizer.step()
+                    if args.local_rank in [-1, 0]:
+                        score = evaluate(model)
+                        if score > best:
+                            best, patience = score, 0
+                        else:
+                            patience += 1
+                            if patience > args.patience:
+                                return best  # expect: DD301
+                return best
+
+
+            def main(args):
+                dist.init_process_group("nccl")
+                torch.cuda.set_device(args.local_rank)
+                model = torch.nn.parallel.DistributedDataParallel(build().cuda(), device_ids=[args.local_rank])
+                train(args, model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+            if __name__ == "__main__":
+                main(parse_args())
+            """
+        ),
         Example(
             # Early stopping decided and acted on by rank 0 alone.
             """
@@ -560,9 +598,10 @@ class CollectiveInRankBranch(Rule):
                 guard = exit_.guard
                 where = ("local rank 0" if guard.local else "rank 0") if guard.zero else "the ranks other than 0"
                 joined = "a backward through the DDP model" if exit_.what == "backward" else f"`{exit_.what.rsplit('.', 1)[-1]}`"
+                keyword = "return" if isinstance(exit_.step.node, cst.Return) else "break"
                 yield Report(
                     exit_.step.node,
-                    f"this `break` leaves the loop on {where} only (condition on line "
+                    f"this `{keyword}` leaves the loop on {where} only (condition on line "
                     f"{ctx.position(guard.guard.test).start.line}): the other ranks go on to the next iteration and "
                     f"wait in {joined} (line {ctx.position(exit_.call).start.line}) for a rank that has left, so the "
                     f"job hangs. Decide on every rank: broadcast the stop flag from rank 0 and break on it everywhere.",

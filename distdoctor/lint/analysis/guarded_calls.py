@@ -293,13 +293,15 @@ class RankExit:
 
 
 def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
-    """`break` statements that leave a loop on some ranks only (a rank condition inside the loop
+    """`break` (or `return`) statements that leave a loop on some ranks only (a rank condition inside the loop
     guards them) where the loop makes a call every rank must join. A loop that runs on some ranks
     only as a whole (its rank condition outside it) is not split by its `break`."""
     for step in trace.steps:
-        if not isinstance(step.node, cst.Break) or not step.loops:
+        if not isinstance(step.node, (cst.Break, cst.Return)) or not step.loops:
             continue
         loop = step.loops[-1]
+        if isinstance(step.node, cst.Return) and not _inside(ctx, step.node, loop):
+            continue  # a `return` of a helper called in the loop leaves the helper, not the loop
         inside = [guard for guard in ctx.rank_guards(trace, step) if _inside(ctx, guard.guard.test, loop)]
         if not inside or single_process_only(ctx, step):
             continue
