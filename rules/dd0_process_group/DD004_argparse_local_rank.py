@@ -35,11 +35,12 @@ class ArgparseLocalRank(Rule):
     DeepSpeed scripts (the `deepspeed` launcher still passes `--local_rank`).
 
     ## Why is this bad?
-    `python -m torch.distributed.launch` passed `--local_rank=N` to every process; `torchrun`
-    (and `torch.distributed.launch` since PyTorch 2.0 by default) does not: it sets the
-    `LOCAL_RANK` environment variable instead. Under torchrun the flag keeps its default on
-    every rank, so all processes select the same GPU (or none): they pile onto GPU 0, run out of
-    memory, or NCCL hangs on duplicate devices.
+    `python -m torch.distributed.launch` passes the local rank as a flag: `--local_rank=N` up
+    to PyTorch 1.13, `--local-rank=N` since 2.0 (which a parser that declares only
+    `--local_rank` rejects), and none with `--use-env`. `torchrun`, which replaces it, passes
+    no flag at all: it sets the `LOCAL_RANK` environment variable. Under torchrun the flag
+    keeps its default on every rank, so all processes select the same GPU (or none): they
+    pile onto GPU 0, run out of memory, or NCCL hangs on duplicate devices.
 
     ## Example
     ```python
