@@ -141,6 +141,36 @@ class MissingSetDevice(Rule):
     )
     valid = (
         Example(
+            # A process group of one process, written as such (world_size=1, rank=0): its current
+            # device is its own.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(model, loader, optimizer, epochs):
+                results = None
+                for epoch in range(epochs):
+                    for imgs, targets in loader:
+                        loss = model(imgs, targets)
+                        if not torch.isfinite(loss):
+                            print("non-finite loss, ending training")
+                            return results
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    results = evaluate(model)
+                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
+                return results
+
+
+            if __name__ == "__main__":
+                dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
+                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            """
+        ),
+        Example(
             """
             import argparse
             import torch
@@ -244,8 +274,8 @@ class MissingSetDevice(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed or ctx.imports.imports_any(frameworks.SELECTS_DEVICE):
-            return
+        if not ctx.is_distributed or ctx.imports.imports_any(frameworks.SELECTS_DEVICE) or ctx.one_process_group:
+            return  # (`init_process_group(..., world_size=1)`: one process, whose GPU 0 is its own)
         if not _initialises_here(ctx) or _external_setup(ctx) or any(word in ctx.source for word in OUTSIDE_PINNING):
             return
         if selects_device_explicitly(ctx):

@@ -299,6 +299,36 @@ class CollectiveInRankBranch(Rule):
     )
     valid = (
         Example(
+            # A process group of one process (world_size=1): no other rank waits in the skipped
+            # backward.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(model, loader, optimizer, epochs):
+                results = None
+                for epoch in range(epochs):
+                    for imgs, targets in loader:
+                        loss = model(imgs, targets)
+                        if not torch.isfinite(loss):
+                            print("non-finite loss, ending training")
+                            return results
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    results = evaluate(model)
+                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
+                return results
+
+
+            if __name__ == "__main__":
+                dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
+                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            """
+        ),
+        Example(
             # The rank of a LoRA adapter (a matrix rank) says nothing about the process: every process
             # saves the adapters.
             """
@@ -565,8 +595,8 @@ class CollectiveInRankBranch(Rule):
         return any(guarded_calls.is_gradient_reducer_name(word) for word in words)
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.is_distributed or not guarded_calls.may_join(ctx):
-            return
+        if not ctx.is_distributed or not guarded_calls.may_join(ctx) or ctx.one_process_group:
+            return  # `init_process_group(..., world_size=1)`: no other rank to wait for
         for trace in ctx.traces:
             found = guarded_calls.events(ctx, trace)
             for event in guarded_calls.unmatched(ctx, trace, found):

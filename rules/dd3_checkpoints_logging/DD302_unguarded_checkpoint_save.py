@@ -152,6 +152,43 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
+            # One process only when asked for (`--single-gpu`); the other branch is a launched job of
+            # many.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+
+
+            def train(model, loader, optimizer, epochs):
+                results = None
+                for epoch in range(epochs):
+                    for imgs, targets in loader:
+                        loss = model(imgs, targets)
+                        if not torch.isfinite(loss):
+                            print("non-finite loss, ending training")
+                            return results
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    results = evaluate(model)
+                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")  # expect: DD302
+                return results
+
+
+            if __name__ == "__main__":
+                args = parse_args()
+                if args.single_gpu:
+                    dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+                else:
+                    dist.init_process_group(backend="nccl")
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
+                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            """
+        ),
+        Example(
             # The same script selecting a GPU per process: several processes per machine.
             """
             import argparse
@@ -417,6 +454,35 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # A process group of one process (world_size=1): one writer.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(model, loader, optimizer, epochs):
+                results = None
+                for epoch in range(epochs):
+                    for imgs, targets in loader:
+                        loss = model(imgs, targets)
+                        if not torch.isfinite(loss):
+                            print("non-finite loss, ending training")
+                            return results
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    results = evaluate(model)
+                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
+                return results
+
+
+            if __name__ == "__main__":
+                dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
+                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            """
+        ),
         Example(
             # A per-node snapshot every rank loads back through a load helper whose parameter is given
             # the same path name.
@@ -1140,7 +1206,7 @@ class UnguardedCheckpointSave(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not _multi_process(ctx) or "current_host" in ctx.source or devices.one_process_per_host(ctx):
+        if not ctx.runs_multi_process or "current_host" in ctx.source or devices.one_process_per_host(ctx):
             return  # SageMaker's `hosts.index(current_host)`, Kubeflow's pods: one process per host, each on its own disk
         for trace, step, call in ctx.calls(SAVE):
             if not ctx.is_entry(trace):
@@ -1323,16 +1389,3 @@ def _set_or_declared_here(ctx: LintContext, attribute: str) -> bool:
 
 
 LOAD = "torch.load"
-
-
-def _multi_process(ctx: LintContext) -> bool:
-    """A script that really runs several processes: it starts a process group or Horovod, or
-    wraps a model in DDP."""
-    if not ctx.is_distributed:
-        return False
-    if ctx.process_group_initialised:
-        return True
-    for qual in (frameworks.HOROVOD_INIT, frameworks.DDP):
-        if next(iter(ctx.calls(qual)), None) is not None:
-            return True
-    return False

@@ -255,6 +255,20 @@ class LintContext:
                 return True
         return False
 
+    @cached_property
+    def one_process_group(self) -> bool:
+        """Every process group the script starts has `world_size=1` written in the call, and
+        nothing spawns workers or starts Horovod: a job of one process (early YOLOv5's
+        `init_process_group(..., world_size=1, rank=0)` for a one-process, many-GPU DDP). No
+        other rank exists to wait in a collective or to write the same file."""
+        if not self.may_call(frameworks.INIT_PROCESS_GROUP) or self.info.spawn_targets:
+            return False
+        if self.may_call(frameworks.HOROVOD_INIT):
+            return False
+        calls = [call for _, call in self._all_calls if self.qualname(call.func) == frameworks.INIT_PROCESS_GROUP]
+        sizes = [syntax.argument(call, 3, "world_size") for call in calls]
+        return bool(sizes) and all(size is not None and syntax.const_value(size) == (True, 1) for size in sizes)
+
     # --- rank guards -------------------------------------------------------------------------
     def rank_guards(self, trace: Trace, step: Step, uncertain: bool = False) -> list[RankGuard]:
         """The enclosing conditions of `step` (and early `return`/`continue` before it) that
@@ -472,7 +486,7 @@ class LintContext:
     def runs_multi_process(self) -> bool:
         """A script that really runs several processes: it starts a process group or Horovod, or
         wraps a model in DDP (importing `torch.distributed` alone is not enough)."""
-        if not self.is_distributed:
+        if not self.is_distributed or self.one_process_group:
             return False
         if self.process_group_initialised:
             return True
