@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, names, syntax
+from distdoctor.lint.analysis import frameworks, kinds, names, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
@@ -120,6 +120,37 @@ class CompileBeforeDDP(Rule):
     )
     valid = (
         Example(
+            # The wrapper is never called: training runs through the plain module (DD102 reports
+            # that); there is no DDP graph to split.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def main():
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = GPT(config).cuda()
+                compiled_model = torch.compile(model)
+                wrapped_model = DDP(compiled_model, device_ids=[local_rank])
+                raw_model = model
+                optimizer = torch.optim.AdamW(wrapped_model.parameters(), lr=3e-4)
+                for x, y in batches():
+                    _, loss = raw_model(x, targets=y)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
+        Example(
             """
             import torch
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -194,6 +225,8 @@ class CompileBeforeDDP(Rule):
             compiled = _compile_call(ctx, trace, step, wrapped, 0)
             if compiled is None or _dead(ctx, trace, _step_of(trace, compiled)):
                 continue
+            if _never_called(ctx, call):
+                continue  # the training forward goes around the wrapper (DD102's finding): no DDP graph to split
             if optimizer_off is None:
                 optimizer_off = _ddp_optimizer_off(ctx)
             if optimizer_off:
@@ -204,6 +237,40 @@ class CompileBeforeDDP(Rule):
                 "the wrapper (`model = torch.compile(DDP(model, ...))`), as the PyTorch docs advise, so DDP can "
                 "overlap its all-reduce with the compiled backward.",
             )
+
+
+# Calls that look at a wrapper without running it.
+_INSPECTING = frozenset({"isinstance", "hasattr", "getattr", "type", "id", "print", "len", "str", "repr"})
+
+
+def _never_called(ctx: LintContext, wrap: cst.Call) -> bool:
+    """Whether the wrapper built by `wrap` is never called for a forward in this file and never
+    leaves it (passed to a function of another module, returned, stored on an object), while
+    the file trains (runs a backward): the model is trained around it, through the plain module."""
+    if not ctx.may_call_method("backward"):
+        return False  # the training is not in this file: the wrapper may well be used there
+    if not isinstance(ctx.parent(wrap), cst.Assign) or any(
+        not isinstance(target.target, cst.Name) for target in ctx.parent(wrap).targets
+    ):
+        return False  # `self.model = DDP(...)`, `return DDP(...)`: used where this cannot follow
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            value = trace.value(call.func, step)
+            if value is not None and value.kind == kinds.DDP and value.node is wrap:
+                return False  # a forward through the wrapper
+            callee = (names.dotted(call.func) or "").rsplit(".", 1)[-1]
+            if callee in ctx.info.functions or callee in _INSPECTING:
+                continue
+            for arg in call.args:
+                held = trace.value(arg.value, step)
+                if held is not None and held.kind == kinds.DDP and held.node is wrap:
+                    return False  # handed to code this file does not show
+        for step in trace.steps:
+            if isinstance(step.node, cst.Return) and step.node.value is not None:
+                held = trace.value(step.node.value, step)
+                if held is not None and held.kind == kinds.DDP and held.node is wrap:
+                    return False
+    return True
 
 
 def _step_of(trace: Trace, call: cst.Call) -> Step | None:
