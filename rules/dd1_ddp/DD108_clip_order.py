@@ -60,6 +60,33 @@ class ClipOrder(Rule):
 
     invalid = (
         Example(
+            # The scaled backward in the fp16 branch, a plain one in the other: the clip still sees
+            # scaled gradients under fp16.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.utils import clip_grad_norm_
+
+
+            def train(args, model, loader, optimizer, scaler):
+                for batch in loader:
+                    with torch.autocast("cuda", enabled=args.fp16):
+                        loss = model(**batch).loss
+                    if args.fp16:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                    if args.grad_clip_norm > 0:
+                        clip_grad_norm_(model.parameters(), args.grad_clip_norm)  # expect: DD108
+                    if args.fp16:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
+        Example(
             # The flush after the loop clips the remainder's gradients still scaled.
             """
             import torch
@@ -138,6 +165,35 @@ class ClipOrder(Rule):
         ),
     )
     valid = (
+        Example(
+            # The scaled backward and the plain clip sit on opposite sides of conditions written
+            # alike.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(args, model, loader, optim, scaler, use_native_amp):
+                for batch in loader:
+                    loss = model(batch)["loss"]
+                    if args.fp16 and use_native_amp:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                    if args.clip_grad_norm > 0:
+                        if args.fp16 and use_native_amp:
+                            scaler.unscale_(optim)
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                        else:
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                    if args.fp16 and use_native_amp:
+                        scaler.step(optim)
+                        scaler.update()
+                    else:
+                        optim.step()
+                    optim.zero_grad()
+            """
+        ),
         Example(
             # A zero_grad() under a condition of its own between the backward and the clip: a NaN
             # skip, not a step.
@@ -370,6 +426,16 @@ class ClipOrder(Rule):
                 # gradient accumulation, flushed after the loop), that backward came last.
                 before.insert(last_step + 1, inner_backward)
                 last_backward = last_step + 1
+            # The latest scaled backward since the last step, also when a plain one follows it in
+            # the other branch of `if fp16: scaler.scale(loss).backward() else: loss.backward()`.
+            # Positions in `kept`; the inner loop's backward inserted above counts as just after the step.
+            scaled = [
+                i
+                for i, (s, kind) in enumerate(kept)
+                if kind == SCALED_BACKWARD and (last_step is None or i > last_step) and not _other_side(ctx, s, step)
+            ]
+            if last_step is not None and inner_backward == SCALED_BACKWARD and not scaled:
+                scaled = [last_step]
             message = None
             if last_backward is None and any(kind in backward_kinds for kind in after):
                 message = (
@@ -381,17 +447,21 @@ class ClipOrder(Rule):
                     "gradients are clipped after optimizer.step() (or zero_grad()) has used them: the clip "
                     "changes nothing. Clip between backward() and optimizer.step()."
                 )
-            elif (
-                last_backward is not None
-                and before[last_backward] == SCALED_BACKWARD
-                and UNSCALE not in before[last_backward + 1 :]
-            ):
+            elif last_backward is not None and scaled and UNSCALE not in [kind for _, kind in kept[scaled[-1] + 1 :]]:
                 message = (
                     "gradients are clipped while still multiplied by the GradScaler's loss scale: call "
                     "`scaler.unscale_(optimizer)` before clipping."
                 )
             if message is not None:
                 yield Report(call, message)
+
+
+def _other_side(ctx: LintContext, first: Step, second: Step) -> bool:
+    """The two steps sit on opposite sides of conditions written alike (`if fp16 and native_amp:
+    scaler.scale(loss).backward()` ... `if fp16 and native_amp: unscale and clip` / `else:
+    clip`): in one pass, only one of them runs."""
+    sides = {ctx.code(guard.test): guard.negated for guard in first.guards}
+    return any(sides.get(ctx.code(guard.test), guard.negated) != guard.negated for guard in second.guards)
 
 
 def _inner_loop_backward(kept: list[tuple[Step, str | None]], index: int, clip_step: Step) -> str | None:

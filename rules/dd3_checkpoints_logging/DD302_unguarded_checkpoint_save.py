@@ -9,7 +9,7 @@ import libcst as cst
 
 from distdoctor.lint.analysis import devices, evaluate, frameworks, guarded_calls, kinds, locality, syntax
 from distdoctor.lint.analysis.context import LintContext
-from distdoctor.lint.analysis.trace import Guard, Step, Trace, flag_test
+from distdoctor.lint.analysis.trace import NOT_NONE, Guard, Step, Trace, flag_test
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
 
@@ -1351,7 +1351,7 @@ def _set_by_starter(ctx: LintContext, trace: Trace, step: Step, test: cst.BaseEx
     """`test` reads a flag of an object handed to a process-group helper of another module
     before `step`, and nothing in this file sets or declares it."""
     flag = flag_test(test)
-    if flag is None or "." not in flag[0]:
+    if flag is None or "." not in flag[0] or flag[0].endswith(NOT_NONE):
         return False
     value = trace.value(test, step)
     if value is not None and value.kind != kinds.UNKNOWN:

@@ -43,7 +43,7 @@ class Guard:
     # For a flag test (`if ddp:`), the node whose value the flag held there: two tests of one
     # module-level flag, in different functions, are one condition. For a flag bound nowhere on
     # the path, its text.
-    flag_source: int | str | None = field(default=None, compare=False)
+    flag_source: int | str | tuple[int, str] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,6 +124,9 @@ def _condition_keys(guard: Guard) -> tuple[tuple[object, bool], ...]:
     return own, (key, guard.negated != inverted)
 
 
+NOT_NONE = " is not None"
+
+
 def flag_test(test: cst.BaseExpression) -> tuple[str, bool] | None:
     """The flag a test reads and whether the test is its negation: `flag`, `not flag`,
     `flag == True`, `flag is False`, `flag != False`... (a name or an attribute), else None."""
@@ -133,6 +136,12 @@ def flag_test(test: cst.BaseExpression) -> tuple[str, bool] | None:
     if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
         target = test.comparisons[0]
         literal = target.comparator
+        if isinstance(literal, cst.Name) and literal.value == "None" and isinstance(target.operator, (cst.Is, cst.IsNot)):
+            # `scaler is not None` / `scaler is None`: a condition of its own on `scaler`, kept apart
+            # from its truth (`if scaler:`), which 0 or an empty container would also make false.
+            text = dotted(test.left) if isinstance(test.left, (cst.Name, cst.Attribute)) else None
+            inverted ^= isinstance(target.operator, cst.Is)
+            return None if text is None else (text + NOT_NONE, inverted)
         if not (isinstance(literal, cst.Name) and literal.value in ("True", "False")):
             return None
         if not isinstance(target.operator, (cst.Equal, cst.Is, cst.NotEqual, cst.IsNot)):
@@ -231,13 +240,14 @@ class _Builder:
         flag = flag_test(test)
         source = None
         if flag is not None:
-            held = lookup(self.env, flag[0], frame)
+            name = flag[0].removesuffix(NOT_NONE)
+            held = lookup(self.env, name, frame)
             if held is None:
                 # Bound nowhere on the path (`opt.multiprocessing_distributed`, a parsed flag the
                 # file never assigns): every test of it, in any function, reads the one value.
                 source = flag[0]
             elif held.node is not None:
-                source = id(held.node)
+                source = id(held.node) if name == flag[0] else (id(held.node), NOT_NONE)
         return Guard(test, negated, frame, results, source)
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
