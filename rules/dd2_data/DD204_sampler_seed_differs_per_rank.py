@@ -114,6 +114,21 @@ class SamplerSeedDiffersPerRank(Rule):
     )
     valid = (
         Example(
+            # With shuffle=False the seed is never used: every rank slices the same order.
+            """
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+
+            def main(rank, world_size, dataset):
+                dist.init_process_group("nccl", rank=rank, world_size=world_size)
+                sampler = DistributedSampler(dataset, shuffle=False, num_replicas=world_size, rank=rank, seed=rank)
+                loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+                for epoch in range(10):
+                    train_one_epoch(loader)
+            """
+        ),
+        Example(
             """
             import torch
             import torch.distributed as dist
@@ -161,6 +176,9 @@ class SamplerSeedDiffersPerRank(Rule):
             seed = syntax.argument(call, 4, "seed")
             if seed is None:
                 continue
+            shuffle = syntax.argument(call, 3, "shuffle")
+            if shuffle is not None and syntax.const_value(shuffle) == (True, False):
+                continue  # `shuffle=False`: the seed is never used, every rank slices the same order
             cause = _varies(ctx, trace, step, seed, 0)
             if cause is None:
                 continue

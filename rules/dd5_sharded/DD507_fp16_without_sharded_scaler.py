@@ -35,7 +35,8 @@ class FP16WithoutShardedScaler(Rule):
     finding points at it; when it builds none, at the float16 setting.
 
     It stays silent for bfloat16, for a dtype it cannot read, when a `ShardedGradScaler` (or a
-    scaler of the script's own) is used, and in scripts that shard nothing.
+    scaler of the script's own) is used, when Accelerate's `Accelerator` runs the training (it
+    builds a ShardedGradScaler itself for float16 under FSDP), and in scripts that shard nothing.
 
     ## Why is this bad?
     float16 gradients underflow without loss scaling. The plain `GradScaler` decides whether a
@@ -110,6 +111,29 @@ class FP16WithoutShardedScaler(Rule):
         ),
     )
     valid = (
+        Example(
+            # Accelerate builds the ShardedGradScaler itself for fp16 under its FSDP plugin, and steps
+            # the prepared optimizer through it.
+            """
+            import torch
+            from accelerate import Accelerator, FullyShardedDataParallelPlugin
+            from torch.distributed.fsdp import MixedPrecision
+
+
+            def main(args):
+                policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
+                fsdp_plugin = FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+                accelerator = Accelerator(mixed_precision=args.mixed_precision, fsdp_plugin=fsdp_plugin)
+                model = build_model()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                model, optimizer, loader = accelerator.prepare(model, optimizer, make_loader())
+                for batch in loader:
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            """
+        ),
         Example(
             """
             import torch
@@ -211,9 +235,14 @@ def _unused_policy(ctx: LintContext, policy: cst.Call) -> bool:
 
 
 def _has_other_scaler(ctx: LintContext) -> bool:
-    """A ShardedGradScaler, or a scaler class of the script's own: assume it is right."""
-    for node in ctx.nodes(cst.Call):
+    """A ShardedGradScaler, or a scaler class of the script's own: assume it is right. So is
+    Accelerate's: `Accelerator(mixed_precision="fp16", fsdp_plugin=...)` builds a
+    ShardedGradScaler itself and steps the prepared optimizer through it."""
+    calls = list(ctx.nodes(cst.Call))
+    for node in calls:
         text = dotted(node.func) or ""
         if "Scaler" in text.rsplit(".", 1)[-1] and ctx.qualname(node.func) != PLAIN_SCALER:
             return True
-    return False
+    if any(ctx.qualname(node.func) == PLAIN_SCALER for node in calls):
+        return False
+    return any((ctx.qualname(node.func) or "").startswith("accelerate.") and (dotted(node.func) or "").endswith("Accelerator") for node in calls)
