@@ -147,27 +147,8 @@ class MissingSetDevice(Rule):
             import torch
             import torch.distributed as dist
 
-
-            def train(model, loader, optimizer, epochs):
-                results = None
-                for epoch in range(epochs):
-                    for imgs, targets in loader:
-                        loss = model(imgs, targets)
-                        if not torch.isfinite(loss):
-                            print("non-finite loss, ending training")
-                            return results
-                        loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    results = evaluate(model)
-                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
-                return results
-
-
-            if __name__ == "__main__":
-                dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
-                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
-                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
             """
         ),
         Example(

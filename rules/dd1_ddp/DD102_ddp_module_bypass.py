@@ -60,35 +60,27 @@ class DDPModuleBypass(Rule):
             # The wrapper stored on the instance from outside the class, bypassed inside a method.
             """
             import torch
-            import torch.distributed as dist
-            import torch.multiprocessing as mp
             from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-            class EmbeddingTrainer:
-                def __init__(self, device):
-                    self.model = EmbeddingModel().to(device)
-                    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-5)
+            class Trainer:
+                def __init__(self, net):
+                    self.net = net
 
-                def train(self, loader):
-                    for input_ids, mask in loader:
-                        embeddings = self.model.module(input_ids, mask)  # expect: DD102
-                        loss = contrastive_loss(embeddings)
-                        self.optimizer.zero_grad()
-                        loss.backward()
-                        self.optimizer.step()
+                def fit(self, batches, optimizer):
+                    for x in batches:
+                        self.net.module(x).sum().backward()  # expect: DD102
+                        optimizer.step()
 
 
-            def worker(rank, world_size):
-                dist.init_process_group("nccl", rank=rank, world_size=world_size)
-                torch.cuda.set_device(rank)
-                trainer = EmbeddingTrainer(rank)
-                trainer.model = DDP(trainer.model, device_ids=[rank])
-                trainer.train(make_loader(rank, world_size))
+            def worker(rank):
+                torch.distributed.init_process_group("nccl", rank=rank, world_size=2)
+                trainer = Trainer(Net().cuda(rank))
+                trainer.net = DDP(trainer.net, device_ids=[rank])
+                trainer.fit(batches(), torch.optim.SGD(trainer.net.parameters(), lr=0.1))
 
 
-            if __name__ == "__main__":
-                mp.spawn(worker, args=(torch.cuda.device_count(),), nprocs=torch.cuda.device_count())
+            torch.multiprocessing.spawn(worker, nprocs=2)
             """
         ),
         Example(

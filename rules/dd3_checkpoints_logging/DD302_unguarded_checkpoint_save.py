@@ -152,75 +152,36 @@ class UnguardedCheckpointSave(Rule):
 
     invalid = (
         Example(
-            # One process only when asked for (`--single-gpu`); the other branch is a launched job of
-            # many.
+            # One process only outside a launcher; the launched branch is a job of many.
             """
             import os
 
             import torch
             import torch.distributed as dist
 
-
-            def train(model, loader, optimizer, epochs):
-                results = None
-                for epoch in range(epochs):
-                    for imgs, targets in loader:
-                        loss = model(imgs, targets)
-                        if not torch.isfinite(loss):
-                            print("non-finite loss, ending training")
-                            return results
-                        loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    results = evaluate(model)
-                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")  # expect: DD302
-                return results
-
-
-            if __name__ == "__main__":
-                args = parse_args()
-                if args.single_gpu:
-                    dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
-                else:
-                    dist.init_process_group(backend="nccl")
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
-                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            if os.environ.get("WORLD_SIZE"):
+                dist.init_process_group("nccl")
+            else:
+                dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500", world_size=1, rank=0)
+            model = torch.nn.parallel.DistributedDataParallel(Net())
+            for epoch in range(10):
+                train(model)
+                torch.save(model.module.state_dict(), "last.pt")  # expect: DD302
             """
         ),
         Example(
-            # The same script selecting a GPU per process: several processes per machine.
+            # A backend the user picks, but a GPU selected per process: several processes per machine.
             """
-            import argparse
             import os
 
             import torch
             import torch.distributed as dist
-            import torch.nn as nn
 
-
-            def main():
-                parser = argparse.ArgumentParser()
-                parser.add_argument("--backend", default=dist.Backend.GLOO)
-                parser.add_argument("--epochs", type=int, default=1)
-                parser.add_argument("--save-model", action="store_true")
-                args = parser.parse_args()
-                use_cuda = torch.cuda.is_available()
-                device = torch.device("cuda" if use_cuda else "cpu")
-                dist.init_process_group(backend=args.backend)
-                local_rank = int(os.environ["LOCAL_RANK"])
-                torch.cuda.set_device(local_rank)
-                model = Net().to(device)
-                model = nn.parallel.DistributedDataParallel(model)
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-                for epoch in range(args.epochs):
-                    train(model, device, loader, optimizer)
-                if args.save_model:
-                    torch.save(model.state_dict(), "mnist_cnn.pt")  # expect: DD302
-
-
-            if __name__ == "__main__":
-                main()
+            dist.init_process_group(backend=args.backend)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda())
+            train(model)
+            torch.save(model.state_dict(), "mnist_cnn.pt")  # expect: DD302
             """
         ),
         Example(
@@ -460,27 +421,11 @@ class UnguardedCheckpointSave(Rule):
             import torch
             import torch.distributed as dist
 
-
-            def train(model, loader, optimizer, epochs):
-                results = None
-                for epoch in range(epochs):
-                    for imgs, targets in loader:
-                        loss = model(imgs, targets)
-                        if not torch.isfinite(loss):
-                            print("non-finite loss, ending training")
-                            return results
-                        loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    results = evaluate(model)
-                    torch.save({"model": model.module.state_dict(), "epoch": epoch}, "last.pt")
-                return results
-
-
-            if __name__ == "__main__":
-                dist.init_process_group(backend="nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
-                model = torch.nn.parallel.DistributedDataParallel(build_model().cuda())
-                train(model, make_loader(), torch.optim.SGD(model.parameters(), lr=0.01), 300)
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500", world_size=1, rank=0)
+            model = torch.nn.parallel.DistributedDataParallel(Net())
+            for epoch in range(10):
+                train(model)
+                torch.save(model.module.state_dict(), "last.pt")
             """
         ),
         Example(
