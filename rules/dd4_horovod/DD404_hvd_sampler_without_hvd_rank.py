@@ -3,10 +3,15 @@ torch.distributed (never initialised) for the rank and world size."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+
+import libcst as cst
 
 from distdoctor.lint.analysis import frameworks, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
+from distdoctor.lint.analysis.loaders import bound_expression
+from distdoctor.lint.analysis.trace import Step, Trace
 from distdoctor.lint.rule import Example, Report, Rule
 
 SAMPLER = "torch.utils.data.DistributedSampler"
@@ -18,7 +23,9 @@ class HorovodSamplerWithoutHorovodRank(Rule):
     Flags `DistributedSampler(dataset)` in a Horovod script, when `num_replicas` or `rank` is not
     passed, or is read from `torch.distributed` (`dist.get_world_size()`, `dist.get_rank()`), and
     the script never initialises a `torch.distributed` process group. Also flags a sampler sharded
-    by `hvd.local_size()` / `hvd.local_rank()`, which repeats the same shards on every node.
+    by `hvd.local_size()` / `hvd.local_rank()`, which repeats the same shards on every node,
+    unless the dataset itself is built per node (from a rank or node of its own, such as the
+    keys of a node's own database).
 
     ## Why is this bad?
     Without `num_replicas` and `rank`, `DistributedSampler` asks `torch.distributed` for them, and
@@ -116,6 +123,43 @@ class HorovodSamplerWithoutHorovodRank(Rule):
     )
     valid = (
         Example(
+            # The same with a dataset class of the script's own, given the node's head rank.
+            """
+            import horovod.torch as hvd
+            import torch
+            from torch.utils.data.distributed import DistributedSampler
+
+
+            class RankStepDataset(torch.utils.data.Dataset):
+                def __init__(self, keys, head_rank):
+                    self.keys, self.head_rank = keys, head_rank
+
+                def __len__(self):
+                    return len(self.keys)
+
+                def __getitem__(self, idx):
+                    return fetch(self.keys[idx], self.head_rank)
+
+
+            hvd.init()
+            dataset = RankStepDataset(node_keys(), node_info()["head_rank"])
+            sampler = DistributedSampler(dataset, num_replicas=args.ppn, rank=hvd.local_rank())
+            """
+        ),
+        Example(
+            # A dataset built from this node's own data (keys offset by its head rank): sharding it by
+            # the local rank is the design.
+            """
+            import horovod.torch as hvd
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            head_rank = node_database_info()["head_rank"]
+            dataset = NodeTensorDataset(node_database_keys(), head_rank)
+            sampler = DistributedSampler(dataset, num_replicas=hvd.local_size(), rank=hvd.local_rank())
+            """
+        ),
+        Example(
             """
             import torch
             import horovod.torch as hvd
@@ -199,9 +243,25 @@ class HorovodSamplerWithoutHorovodRank(Rule):
                     f"which this Horovod script never initialises (RuntimeError). Pass "
                     f"{', '.join(wanted[name] for name in from_torch)}.",
                 )
-            elif per_node:
+            elif per_node and not _built_per_node(ctx, trace, step, syntax.argument(call, 0, "dataset")):
                 yield Report(
                     given[per_node[0]],
                     "the sampler is sharded by the local rank and local size: on several nodes, every node "
                     "trains on the same shards. Pass num_replicas=hvd.size(), rank=hvd.rank().",
                 )
+
+
+def _built_per_node(ctx: LintContext, trace: Trace, step: Step, dataset: cst.BaseExpression | None) -> bool:
+    """The dataset was built from a rank or node of its own (`RankStepDataset(n, steps,
+    head_rank)`, data a node's own database holds): it already differs between nodes, and
+    sharding it by the local rank is the design."""
+    value = trace.value(dataset, step) if dataset is not None else None
+    built = None
+    if value is not None:
+        built = value.node if isinstance(value.node, cst.Call) else bound_expression(value)
+    if not isinstance(built, cst.Call):
+        return False
+    return any(_PER_NODE_WORD.search(ctx.code(arg.value).lower()) for arg in built.args)
+
+
+_PER_NODE_WORD = re.compile(r"rank|node|host")
