@@ -166,6 +166,24 @@ class ArgparseLocalRank(Rule):
     )
     valid = (
         Example(
+            # The device comes from a module's attribute (`idr_torch.local_rank`, read from Slurm),
+            # not from the unused flag.
+            """
+            import argparse
+
+            import idr_torch
+            import torch
+            import torch.distributed as dist
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=None)
+            args = parser.parse_args()
+            dist.init_process_group("nccl", rank=idr_torch.rank, world_size=idr_torch.size)
+            torch.cuda.set_device(idr_torch.local_rank)
+            model = torch.nn.parallel.DistributedDataParallel(Net().cuda(), device_ids=[idr_torch.local_rank])
+            """
+        ),
+        Example(
             # The flag is overwritten with a field of what the project's init helper returned.
             """
             import argparse
@@ -292,7 +310,7 @@ class ArgparseLocalRank(Rule):
         flags = _local_rank_flags(ctx)
         if not flags or _reads_local_rank_env(ctx) or _own_launcher(ctx) or _flag_overwritten(ctx):
             return
-        use = next((u for u in device_indices(ctx) if _from_flag(u.trace.value(u.index, u.step))), None)
+        use = next((u for u in device_indices(ctx) if _from_flag(ctx, u.trace.value(u.index, u.step))), None)
         if use is None:
             return
         line = ctx.position(use.site).start.line
@@ -392,13 +410,15 @@ def _own_launcher(ctx: LintContext) -> bool:
     return False
 
 
-def _from_flag(value: kinds.Value | None) -> bool:
+def _from_flag(ctx: LintContext, value: kinds.Value | None) -> bool:
     """A value read from the parsed `--local_rank` argument (`args.local_rank`, or a name or
-    attribute it was copied to)."""
+    attribute it was copied to), not an attribute of an imported module (`idr_torch.local_rank`,
+    which reads Slurm's environment)."""
     return (
         value is not None
         and value.kind == kinds.LOCAL_RANK
         and value.origin == "attr"
         and value.name.rsplit(".", 1)[-1] == "local_rank"
         and not value.name.startswith("self.")
+        and not (isinstance(value.node, cst.Attribute) and ctx.qualname(value.node) is not None)
     )

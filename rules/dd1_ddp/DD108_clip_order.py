@@ -166,6 +166,29 @@ class ClipOrder(Rule):
     )
     valid = (
         Example(
+            # The generator's optimizer steps before the discriminator's clip; the discriminator's own
+            # step comes after it.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def train(gen, disc, loader, optimizer_g, optimizer_d):
+                for real in loader:
+                    fake = gen(noise())
+                    loss_d = disc(fake.detach()).mean() - disc(real).mean()
+                    loss_d.backward()
+                    loss_g = -disc(fake).mean()
+                    loss_g.backward()
+                    torch.nn.utils.clip_grad_norm_(gen.parameters(), 5.0)
+                    optimizer_g.step()
+                    optimizer_g.zero_grad()
+                    torch.nn.utils.clip_grad_norm_(disc.parameters(), 5.0)
+                    optimizer_d.step()
+                    optimizer_d.zero_grad()
+            """
+        ),
+        Example(
             # The scaled backward and the plain clip sit on opposite sides of conditions written
             # alike.
             """
@@ -407,12 +430,17 @@ class ClipOrder(Rule):
             # optimizer.zero_grad()`, a NaN skip) drops this step's gradients on purpose; the
             # clip after it is still in its place for every other iteration.
             clip_guards = {id(guard.test) for guard in step.guards}
+            # The optimizer that steps next, after the clip: a step or zero_grad of another one
+            # before the clip (a GAN's generator, `opt_g.step()` ... clip(D) ... `opt_d.step()`)
+            # did not use the gradients this clip acts on.
+            following = next((_optimizer_text(c) for _, c, kind in events[here + 1 :] if kind == STEP), None)
             kept = [
                 (s, kind)
                 for s, c, kind in events[:here]
                 if not _cut_off(ctx, s.node, call, step.loops[-1])
                 and not s.excludes(step)
                 and not (kind == ZERO and any(id(guard.test) not in clip_guards for guard in s.guards))
+                and not (kind in (STEP, ZERO) and following and _optimizer_text(c) not in (None, following))
             ]
             before = [kind for _, kind in kept]
             after = [kind for _, _, kind in events[here + 1 :]]
@@ -454,6 +482,17 @@ class ClipOrder(Rule):
                 )
             if message is not None:
                 yield Report(call, message)
+
+
+def _optimizer_text(call: cst.Call) -> str | None:
+    """The optimizer a step or zero_grad call names: `opt.step()`, `scaler.step(opt)`,
+    `opt.zero_grad()`."""
+    if not isinstance(call.func, cst.Attribute):
+        return None
+    receiver = names.dotted(call.func.value)
+    if call.func.attr.value == "step" and call.args and "scaler" in (receiver or "").lower():
+        return names.dotted(call.args[0].value)
+    return receiver
 
 
 def _other_side(ctx: LintContext, first: Step, second: Step) -> bool:

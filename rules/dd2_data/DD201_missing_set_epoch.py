@@ -217,6 +217,26 @@ class MissingSetEpoch(Rule):
     )
     valid = (
         Example(
+            # Evaluation loaders named in camelCase (`samplerVal`, `dataloaderVal`).
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def main(args):
+                dist.init_process_group("nccl")
+                model = torch.nn.parallel.DistributedDataParallel(build().cuda(args.local_rank), device_ids=[args.local_rank])
+                sampler = torch.utils.data.distributed.DistributedSampler(trainSet)
+                dataloader = torch.utils.data.DataLoader(trainSet, batch_size=8, sampler=sampler)
+                for epoch in range(args.epochs):
+                    sampler.set_epoch(epoch)
+                    train(model, dataloader)
+                    samplerVal = torch.utils.data.distributed.DistributedSampler(valSet)
+                    dataloaderVal = torch.utils.data.DataLoader(valSet, batch_size=8, sampler=samplerVal)
+                    validate(model, dataloaderVal)
+            """
+        ),
+        Example(
             # A test-set prediction loader, read once per task: no epochs to reshuffle.
             """
             import torch

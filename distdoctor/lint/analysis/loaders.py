@@ -120,6 +120,8 @@ def bound_expression(value: Value) -> cst.BaseExpression | None:
 def says_eval(name: str) -> bool:
     """Whether a variable or function name says evaluation: `val_loader`, `self.testset`,
     `evaluate`, `loader_eval`."""
+    # camelCase parts too: `dataloaderVal`, `samplerVal`, `testLoader`.
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
     words = {w for w in re.split(r"[^a-z0-9]+|_", name.lower()) if w}
     words |= {w[: -len("loader")] for w in words if w.endswith("loader")}
     words |= {w[: -len("set")] for w in words if w.endswith("set")}
