@@ -71,6 +71,25 @@ class RankAsDevice(Rule):
 
     invalid = (
         Example(
+            # MASTER_ADDR pinned only in the fallback for a run without a launcher: the launched run
+            # may span nodes.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+
+            if "RANK" not in os.environ:
+                os.environ["RANK"] = "0"
+                os.environ["WORLD_SIZE"] = "1"
+                os.environ["MASTER_ADDR"] = "localhost"
+                os.environ["MASTER_PORT"] = "15678"
+            dist.init_process_group("nccl")
+            local_rank = dist.get_rank()
+            torch.cuda.set_device(local_rank)  # expect: DD002
+            """
+        ),
+        Example(
             """
             import os
             import torch

@@ -82,7 +82,12 @@ def _pins_every_run(ctx, node: cst.CSTNode) -> bool:
     for parent in ctx.ancestors(node):
         if isinstance(parent, cst.If) and "environ" in ctx.code(parent.test):
             test = ctx.code(parent.test)
-            if "MASTER_ADDR" in test or not (_LAUNCHED.search(test) and inner is parent.body):
+            if "MASTER_ADDR" in test or not _LAUNCHED.search(test):
+                return False
+            # `if "RANK" in os.environ:` runs its body in the launched run; `if "RANK" not in
+            # os.environ:` its `else` (the body is a fallback for a run without a launcher).
+            absent = " not in " in test or test.lstrip().startswith("not ")
+            if inner is not (parent.orelse if absent else parent.body):
                 return False
         inner = parent
     return True
