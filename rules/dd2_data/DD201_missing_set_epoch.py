@@ -70,6 +70,37 @@ class MissingSetEpoch(Rule):
 
     invalid = (
         Example(
+            # set_epoch called once, where the loader is built.
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=True)
+            sampler.set_epoch(cfg["training_epochs"])  # expect: DD201
+            loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
+            for epoch in range(cfg["training_epochs"]):
+                for batch in loader:
+                    train_step(batch)
+            """
+        ),
+        Example(
+            # set_epoch with the epoch count, which the loop never changes.
+            """
+            import horovod.torch as hvd
+            import torch
+            from torch.utils.data.distributed import DistributedSampler
+
+            hvd.init()
+            train_sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
+            loader = torch.utils.data.DataLoader(train_set, batch_size=64, sampler=train_sampler)
+            for i in range(num_epoch):
+                train_sampler.set_epoch(num_epoch)  # expect: DD201
+                for x, y in loader:
+                    train_step(x, y)
+            """
+        ),
+        Example(
             # The dataset's own set_epoch (its augmentation schedule) leaves the sampler's order.
             """
             from torch.utils.data import DataLoader, DistributedSampler
@@ -216,6 +247,23 @@ class MissingSetEpoch(Rule):
         ),
     )
     valid = (
+        Example(
+            # The epoch counter the loop itself advances.
+            """
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl")
+            sampler = torch.utils.data.distributed.DistributedSampler(dataset)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
+            epoch = start_epoch
+            while epoch < total_epochs:
+                sampler.set_epoch(epoch)
+                for batch in loader:
+                    train_step(batch)
+                epoch += 1
+            """
+        ),
         Example(
             # Evaluation loaders named in camelCase (`samplerVal`, `dataloaderVal`).
             """
@@ -401,10 +449,12 @@ class MissingSetEpoch(Rule):
         if self._unresolved_set_epoch(ctx):
             return  # some set_epoch reaches a sampler we cannot identify: stay silent
         reached = self._samplers_with_set_epoch(ctx)
+        fixed = self._samplers_with_fixed_epoch(ctx)
         reported: set[int] = set()
         for trace, use_step, sampler, loader in self._epoch_uses(ctx):
             if any(sampler.same_object(other) for other in reached):
                 continue
+            constant = next((call for other, call in fixed if sampler.same_object(other)), None)
             loop = use_step.loops[-1]  # the innermost loop around the draw: the epoch loop
             loop_step = _step_of(trace, loop)
             if loop_step is None or id(loop) in reported:
@@ -413,6 +463,14 @@ class MissingSetEpoch(Rule):
             name = sampler.name or (f"{loader.name}.sampler" if loader is not None and loader.name else "sampler")
             epoch = loop.target.value if isinstance(loop, cst.For) and isinstance(loop.target, cst.Name) else "epoch"
             anchor = loop.iter if isinstance(loop, cst.For) else loop.test
+            if constant is not None:
+                yield Report(
+                    constant,
+                    f"`{ctx.code(constant)}` gives the DistributedSampler `{name}` the same epoch every time (it "
+                    f"runs once, or with a value this loop never changes): every epoch repeats the same order. "
+                    f"Call `{name}.set_epoch({epoch})` at the start of the epoch loop.",
+                )
+                continue
             yield Report(
                 anchor,
                 f"the DistributedSampler `{name}` shuffles, but set_epoch() is never called: every epoch "
@@ -438,11 +496,26 @@ class MissingSetEpoch(Rule):
                 if value is not None and value.kind == kinds.SAMPLER:
                     found.append(value)
         for trace, step, call in _sampler_set_epochs(ctx):
+            if _fixed_epoch(ctx, step, call):
+                continue
             receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
             if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
                 receiver = receiver.inner
             if receiver is not None:
                 found.append(receiver)
+        return found
+
+    def _samplers_with_fixed_epoch(self, ctx: LintContext) -> list[tuple[Value, cst.Call]]:
+        """Samplers whose only `set_epoch` gives them one epoch for good (see `_fixed_epoch`)."""
+        found = []
+        for trace, step, call in _sampler_set_epochs(ctx):
+            if not _fixed_epoch(ctx, step, call):
+                continue
+            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
+            if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
+                receiver = receiver.inner
+            if receiver is not None:
+                found.append((receiver, call))
         return found
 
     def _epoch_uses(self, ctx: LintContext) -> Iterator[tuple[Trace, Step, Value, Value | None]]:
@@ -487,6 +560,47 @@ def _sampler_set_epochs(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Cal
 
 
 _DATASET_ATTRIBUTES = frozenset({"dataset", "train_dataset", "ds"})
+
+
+def _fixed_epoch(ctx: LintContext, step: Step, call: cst.Call) -> bool:
+    """`sampler.set_epoch(...)` that sets one epoch for good: outside every loop, in the body of
+    the module or of a function nothing loops over (`sampler.set_epoch(cfg["epochs"])` where the
+    loader is built), or inside a loop with a literal or a plain name that the loop itself never
+    binds (`for i in range(n): sampler.set_epoch(num_epochs)`). A parameter of a helper, an
+    attribute or any other expression may change: not fixed."""
+    if not call.args:
+        return False
+    value = call.args[0].value
+    if not step.loops:
+        return True
+    loop = step.loops[-1]
+    if not any(ancestor is loop for ancestor in ctx.ancestors(call)):
+        return False  # the call is in a helper the loop calls: its argument comes from the call
+    if isinstance(value, (cst.Integer, cst.SimpleString)):
+        return True
+    if not isinstance(value, cst.Name):
+        return False
+    return value.value not in _bound_in(loop)
+
+
+def _bound_in(loop: cst.CSTNode) -> set[str]:
+    """The names a loop binds: its target, and what its body assigns."""
+    bound: set[str] = set()
+    for node in syntax.walk(loop):
+        targets: list[cst.CSTNode] = []
+        if isinstance(node, (cst.For, cst.CompFor)):
+            targets.append(node.target)
+        elif isinstance(node, cst.Assign):
+            targets.extend(t.target for t in node.targets)
+        elif isinstance(node, (cst.AugAssign, cst.AnnAssign)):
+            targets.append(node.target)
+        elif isinstance(node, cst.NamedExpr):
+            targets.append(node.target)
+        elif isinstance(node, cst.AsName):
+            targets.append(node.name)
+        for target in targets:
+            bound |= {name.value for name in syntax.walk(target) if isinstance(name, cst.Name)}
+    return bound
 
 
 def _external_calls(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
