@@ -22,7 +22,11 @@ class MissingSetEpoch(Rule):
     Flags an epoch loop that iterates a `DataLoader` over a shuffling `DistributedSampler` when
     no `set_epoch` ever reaches that sampler: neither `sampler.set_epoch(epoch)`, nor
     `loader.sampler.set_epoch(epoch)`, nor a call inside a function of the same module that the
-    loop runs. The finding points at the epoch loop, where the call belongs.
+    loop runs. The finding points at the epoch loop, where the call belongs. A `set_epoch` that
+    gives the sampler one epoch for good counts as none, and the finding points at it: one
+    called once, outside every loop (`sampler.set_epoch(cfg["epochs"])` where the loader is
+    built), or inside the loop with a literal or a name the loop never binds
+    (`sampler.set_epoch(num_epochs)`).
 
     ## Why is this bad?
     `DistributedSampler` seeds its shuffle with `seed + epoch`. Without `set_epoch`, the epoch
