@@ -378,8 +378,8 @@ def _never_read(ctx: LintContext, use: DeviceIndex) -> bool:
         return False
     # A local name read only before this assignment, in a function with no loop around it
     # (`map_location = ...` again after the `torch.load` that used it): a dead store.
-    function = next((a for a in ctx.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
-    if function is None or any(isinstance(a, (cst.For, cst.While)) for a in ctx.ancestors(node)):
+    function = ctx.enclosing(node, cst.FunctionDef)
+    if function is None or ctx.enclosing(node, (cst.For, cst.While)) is not None:
         return False
     line = ctx.position(node).start.line
     return not any(

@@ -249,8 +249,8 @@ def _own_wrap_comes_later(ctx: LintContext, assignment: cst.CSTNode, wrapper: Va
     run builds a fresh model, changes it, then wraps it)."""
     if not isinstance(wrapper.node, cst.CSTNode):
         return False
-    function = next((a for a in ctx.ancestors(assignment) if isinstance(a, cst.FunctionDef)), None)
-    if function is None or not any(a is function for a in ctx.ancestors(wrapper.node)):
+    function = ctx.enclosing(assignment, cst.FunctionDef)
+    if function is None or not ctx.within(wrapper.node, function):
         return False
     return ctx.position(wrapper.node).start.line > ctx.position(assignment).start.line
 

@@ -450,10 +450,11 @@ class MissingSetEpoch(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if ctx.imports.imports_any(frameworks.CALLS_SET_EPOCH) or not ctx.may_call(*frameworks.SAMPLER_QUALS):
             return
-        if self._unresolved_set_epoch(ctx):
+        set_epochs = _set_epoch_calls(ctx)
+        if any(receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER) for receiver, _, _ in set_epochs):
             return  # some set_epoch reaches a sampler we cannot identify: stay silent
-        reached = self._samplers_with_set_epoch(ctx)
-        fixed = self._samplers_with_fixed_epoch(ctx)
+        reached = self._samplers_handed_away(ctx) + [_sampler_of(r) for r, _, once in set_epochs if not once]
+        fixed = [(_sampler_of(r), call) for r, call, once in set_epochs if once]
         reported: set[int] = set()
         for trace, use_step, sampler, loader in self._epoch_uses(ctx):
             if any(sampler.same_object(other) for other in reached):
@@ -482,44 +483,15 @@ class MissingSetEpoch(Rule):
                 fix=_insert_set_epoch(ctx, trace, loop, loop_step, sampler),
             )
 
-    def _unresolved_set_epoch(self, ctx: LintContext) -> bool:
-        for trace, step, call in _sampler_set_epochs(ctx):
-            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
-            if receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER):
-                return True
-        return False
-
-    def _samplers_with_set_epoch(self, ctx: LintContext) -> list[Value]:
-        """Samplers some `set_epoch` reaches, or that are handed to a function of another module
-        (`train(model, loader, epoch, sampler=sampler)`), which may well call it: unknown, so
-        they count as reached."""
+    def _samplers_handed_away(self, ctx: LintContext) -> list[Value]:
+        """Samplers handed to a function of another module (`train(model, loader, epoch,
+        sampler=sampler)`), which may well call `set_epoch`: unknown, so they count as reached."""
         found = []
         for trace, step, call in _external_calls(ctx):
             for arg in call.args:
                 value = trace.value(arg.value, step)
                 if value is not None and value.kind == kinds.SAMPLER:
                     found.append(value)
-        for trace, step, call in _sampler_set_epochs(ctx):
-            if _fixed_epoch(ctx, step, call):
-                continue
-            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
-            if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
-                receiver = receiver.inner
-            if receiver is not None:
-                found.append(receiver)
-        return found
-
-    def _samplers_with_fixed_epoch(self, ctx: LintContext) -> list[tuple[Value, cst.Call]]:
-        """Samplers whose only `set_epoch` gives them one epoch for good (see `_fixed_epoch`)."""
-        found = []
-        for trace, step, call in _sampler_set_epochs(ctx):
-            if not _fixed_epoch(ctx, step, call):
-                continue
-            receiver = trace.value(call.func.value, step)  # type: ignore[union-attr]
-            if receiver is not None and receiver.kind == kinds.LOADER and receiver.inner is not None:
-                receiver = receiver.inner
-            if receiver is not None:
-                found.append((receiver, call))
         return found
 
     def _epoch_uses(self, ctx: LintContext) -> Iterator[tuple[Trace, Step, Value, Value | None]]:
@@ -553,6 +525,20 @@ def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr
 
 
+def _set_epoch_calls(ctx: LintContext) -> list[tuple[Value | None, cst.Call, bool]]:
+    """Each `set_epoch` that may reach a sampler: what it is called on, the call, and whether it
+    gives the sampler one epoch for good (`_fixed_epoch`)."""
+    return [
+        (trace.value(call.func.value, step), call, _fixed_epoch(ctx, step, call))  # type: ignore[union-attr]
+        for trace, step, call in _sampler_set_epochs(ctx)
+    ]
+
+
+def _sampler_of(receiver: Value) -> Value:
+    """The sampler a `set_epoch` reaches: the receiver itself, or a loader's sampler."""
+    return receiver.inner if receiver.kind == kinds.LOADER and receiver.inner is not None else receiver
+
+
 def _sampler_set_epochs(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
     """`set_epoch` calls that may reach a sampler: not a dataset's own method
     (`loader.dataset.set_epoch(epoch)` reshuffles the dataset's items, the sampler's order stays)."""
@@ -578,7 +564,7 @@ def _fixed_epoch(ctx: LintContext, step: Step, call: cst.Call) -> bool:
     if not step.loops:
         return True
     loop = step.loops[-1]
-    if not any(ancestor is loop for ancestor in ctx.ancestors(call)):
+    if not ctx.within(call, loop):
         return False  # the call is in a helper the loop calls: its argument comes from the call
     if isinstance(value, (cst.Integer, cst.SimpleString)):
         return True

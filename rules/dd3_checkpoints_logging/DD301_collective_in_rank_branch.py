@@ -63,11 +63,12 @@ class CollectiveInRankBranch(Rule):
     reducing helper, or it was handed to a collective) and when the check raises (the launcher
     then stops every rank).
 
-    A `break` (or a `return` out of the loop's own function) under a rank condition inside a loop
-    that makes such a call splits the ranks too: early stopping decided on rank 0 (`if rank == 0:
-    ... if stopper.should_stop(loss): break`) leaves the epoch loop there while the others start the next epoch and wait in its
-    all-reduce. Silent when the whole loop runs under the rank condition (a rank-0 learning-rate
-    search), or when the decision is broadcast first and every rank breaks on it.
+    A `break` (or a `return` out of the loop's own function) under a rank condition inside a
+    loop that makes such a call splits the ranks too: early stopping decided on rank 0
+    (`if rank == 0: ... if stopper.should_stop(loss): break`) leaves the epoch loop there while
+    the others start the next epoch and wait in its all-reduce. Silent when the whole loop runs
+    under the rank condition (a rank-0 learning-rate search), or when the decision is broadcast
+    first and every rank breaks on it.
 
     ## Why is this bad?
     Every rank of the process group must enter a collective. When only rank 0 calls

@@ -1151,7 +1151,7 @@ class UnguardedCheckpointSave(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if not ctx.runs_multi_process or "current_host" in ctx.source or devices.one_process_per_host(ctx):
+        if not ctx.runs_multi_process or devices.one_process_per_host(ctx):
             return  # SageMaker's `hosts.index(current_host)`, Kubeflow's pods: one process per host, each on its own disk
         for trace, step, call in ctx.calls(SAVE):
             if not ctx.is_entry(trace):
@@ -1280,16 +1280,10 @@ def _under_flag_set_by_starter(ctx: LintContext, trace: Trace, step: Step) -> bo
     which this file cannot show. Cannot tell: stay silent."""
     for guard in step.guards:
         # The flag alone, or one term of `if opt.log and err < best:` (both must hold to save).
-        terms = [guard.test]
-        while not guard.negated and any(_conjunction(term) for term in terms):
-            terms = [side for term in terms for side in ((term.left, term.right) if _conjunction(term) else (term,))]
+        terms = [guard.test] if guard.negated else syntax.operands(guard.test, cst.And)
         if any(_set_by_starter(ctx, trace, step, term) for term in terms):
             return True
     return False
-
-
-def _conjunction(test: cst.BaseExpression) -> bool:
-    return isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And)
 
 
 def _set_by_starter(ctx: LintContext, trace: Trace, step: Step, test: cst.BaseExpression) -> bool:

@@ -261,12 +261,9 @@ class LintContext:
         nothing spawns workers or starts Horovod: a job of one process (early YOLOv5's
         `init_process_group(..., world_size=1, rank=0)` for a one-process, many-GPU DDP). No
         other rank exists to wait in a collective or to write the same file."""
-        if not self.may_call(frameworks.INIT_PROCESS_GROUP) or self.info.spawn_targets:
+        if self.info.spawn_targets or self.may_call(frameworks.HOROVOD_INIT):
             return False
-        if self.may_call(frameworks.HOROVOD_INIT):
-            return False
-        calls = [call for _, call in self._all_calls if self.qualname(call.func) == frameworks.INIT_PROCESS_GROUP]
-        sizes = [syntax.argument(call, 3, "world_size") for call in calls]
+        sizes = [syntax.argument(call, 3, "world_size") for _, _, call in self.calls(frameworks.INIT_PROCESS_GROUP)]
         return bool(sizes) and all(size is not None and syntax.const_value(size) == (True, 1) for size in sizes)
 
     # --- rank guards -------------------------------------------------------------------------
@@ -330,6 +327,14 @@ class LintContext:
         while current is not None:
             yield current
             current = self.parent(current)
+
+    def within(self, node: cst.CSTNode, outer: cst.CSTNode) -> bool:
+        """Whether `outer` contains `node` in the source (a loop or function around it)."""
+        return any(ancestor is outer for ancestor in self.ancestors(node))
+
+    def enclosing(self, node: cst.CSTNode, kind: type | tuple[type, ...]) -> cst.CSTNode | None:
+        """The innermost node of type `kind` that contains `node` (its function, its loop)."""
+        return next((ancestor for ancestor in self.ancestors(node) if isinstance(ancestor, kind)), None)
 
     @cached_property
     def _parents(self) -> dict[int, cst.CSTNode]:

@@ -217,7 +217,10 @@ def one_process_per_host(ctx) -> bool:
     """The mark of examples run one process per pod or host (Kubeflow's PyTorchJob, SageMaker):
     every process group starts with a backend the user picks (`backend=args.backend`), no process
     selects a device of its own (each has one GPU, `"cuda"`), and nothing spawns workers or uses
-    Horovod. Each process then also writes into its own container's disk."""
+    Horovod. Each process then also writes into its own container's disk. SageMaker's own mark,
+    `rank = hosts.index(current_host)`, says so by itself."""
+    if "current_host" in ctx.source:
+        return True
     calls = [call for _, _, call in ctx.calls(INIT_PROCESS_GROUP)]
     if not calls or ctx.uses_horovod or ctx.info.spawn_targets:
         return False

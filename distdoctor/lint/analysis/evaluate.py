@@ -492,8 +492,7 @@ def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None
         if not known:
             return None
         left, right = right, left
-        flipped = {cst.LessThan: cst.GreaterThan, cst.GreaterThan: cst.LessThan, cst.LessThanEqual: cst.GreaterThanEqual, cst.GreaterThanEqual: cst.LessThanEqual}
-        op = flipped.get(type(op), type(op))()
+        op = _FLIPPED.get(type(op), type(op))()
     if number is None:
         # `local_rank is None`: the default of a rank no launcher set, like -1 below.
         value = ev.eval(left)

@@ -91,17 +91,8 @@ def single_process_only(ctx: LintContext, step: Step) -> bool:
     or `if world_size == 1:` (or in the `else` of `if distributed:`). There is no other rank to
     wait for there, and no DDP wrapper."""
     for guard in step.guards:
-        terms: list[cst.BaseExpression] = [guard.test]
-        joiner = cst.Or if guard.negated else cst.And  # not (a or b) holds when both are false
-        while any(isinstance(t, cst.BooleanOperation) and isinstance(t.operator, joiner) for t in terms):
-            split: list[cst.BaseExpression] = []
-            for t in terms:
-                if isinstance(t, cst.BooleanOperation) and isinstance(t.operator, joiner):
-                    split.extend((t.left, t.right))
-                else:
-                    split.append(t)
-            terms = split
-        for term in terms:
+        # Every term of `a and b` holds; so does the negation of every term of `not (a or b)`.
+        for term in syntax.operands(guard.test, cst.Or if guard.negated else cst.And):
             value = evaluate.Evaluator(ctx.info, step.env, guard.frame, guard.results).eval(term)
             if value is not None and value.kind == kinds.PROCESS_COUNT_TEST and bool(value.attrs.get("multi")) == guard.negated:
                 return True
@@ -300,9 +291,9 @@ def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
         if not isinstance(step.node, (cst.Break, cst.Return)) or not step.loops:
             continue
         loop = step.loops[-1]
-        if isinstance(step.node, cst.Return) and not _inside(ctx, step.node, loop):
+        if isinstance(step.node, cst.Return) and not ctx.within(step.node, loop):
             continue  # a `return` of a helper called in the loop leaves the helper, not the loop
-        inside = [guard for guard in ctx.rank_guards(trace, step) if _inside(ctx, guard.guard.test, loop)]
+        inside = [guard for guard in ctx.rank_guards(trace, step) if ctx.within(guard.guard.test, loop)]
         if not inside or single_process_only(ctx, step):
             continue
         for other, call in trace.calls():
@@ -310,7 +301,3 @@ def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
             if what is not None:
                 yield RankExit(step, inside[-1], call, what)
                 break
-
-
-def _inside(ctx: LintContext, node: cst.CSTNode, loop: cst.CSTNode) -> bool:
-    return any(ancestor is loop for ancestor in ctx.ancestors(node))

@@ -115,6 +115,14 @@ def _skipped(kind: type, skip: tuple[type, ...]) -> bool:
     return found
 
 
+def operands(test: cst.BaseExpression, joiner: type[cst.BaseBooleanOp]) -> list[cst.BaseExpression]:
+    """The terms of a chain of `joiner` (`cst.And` or `cst.Or`): `a and (b and c)` -> [a, b, c];
+    a test of another shape is its own single term."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, joiner):
+        return [*operands(test.left, joiner), *operands(test.right, joiner)]
+    return [test]
+
+
 def walk(node: cst.CSTNode, skip: tuple[type, ...] = ()) -> Iterator[cst.CSTNode]:
     """Every code node under `node` (itself included), parents before children, in field order,
     not descending into nodes of the `skip` types nor into layout (whitespace, commas,
