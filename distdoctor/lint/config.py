@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -10,6 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from distdoctor.lint.catalog import RuleInfo, catalog
+from distdoctor.lint.project import ProjectFacts, TorchTarget, parse_version, project_facts
 
 if TYPE_CHECKING:
     from distdoctor.lint.rule import Rule
@@ -20,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 KNOWN_KEYS = frozenset(
-    {"select", "ignore", "extend-select", "exclude", "extend-exclude", "per-file-ignores", "cache"}
+    {"select", "ignore", "extend-select", "exclude", "extend-exclude", "per-file-ignores", "cache", "target-torch"}
 )
 
 
@@ -41,6 +43,12 @@ class Config:
     root: Path = field(default_factory=Path.cwd)  # folder of the pyproject.toml, or the cwd
     source: Path | None = None  # the pyproject.toml it came from
     cache: bool = True
+    target_torch: TorchTarget | None = None  # `target-torch`; else read from the project's pins
+
+    def project_for(self, path: str | os.PathLike[str]) -> ProjectFacts:
+        """What `path`'s project says outside Python; the PyTorch release is `target-torch` when
+        that is set, else the project's pin."""
+        return project_facts(path, self.target_torch)
 
     def merged(self, **cli: object) -> Config:
         """The command line beats the file: given options replace the file's."""
@@ -182,6 +190,12 @@ def load_config(start: Path, explicit: Path | None = None) -> Config:
     cache = table.get("cache", True)
     if not isinstance(cache, bool):
         raise ConfigError(f"{path}: `cache` must be true or false")
+    target = table.get("target-torch")
+    target_torch = None
+    if target is not None:
+        target_torch = parse_version(target, "[tool.distdoctor] target-torch") if isinstance(target, str) else None
+        if target_torch is None:
+            raise ConfigError(f'{path}: `target-torch` must be a version such as "1.13" or "2.4"')
     return Config(
         select=codes("select"),
         extend_select=codes("extend-select") or (),
@@ -192,4 +206,5 @@ def load_config(start: Path, explicit: Path | None = None) -> Config:
         root=path.parent,
         source=path,
         cache=cache,
+        target_torch=target_torch,
     )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from distdoctor import __version__
 from distdoctor.lint import guard
+from distdoctor.lint import project as project_files
 from distdoctor.lint.config import Config
 from distdoctor.lint.finding import Finding
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import libcst as cst
 
     from distdoctor.lint.analysis.context import LintContext
+    from distdoctor.lint.project import ProjectFacts
     from distdoctor.lint.rule import Rule
 
 # libcst, the analysis and the rules are imported by the first file that needs them: importing
@@ -92,21 +94,23 @@ class LintResult:
 # One source text
 
 
-def lint_source(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
+def lint_source(source: str, path: str, rules: Sequence[Rule], *, project: ProjectFacts | None = None) -> FileResult:
     """Findings of `rules` in `source`, after `# noqa` suppression. Never raises: a file that
     cannot be parsed is a DD000 finding, a failure inside the engine or a rule a DD000 finding that
-    says so; the other files of a run are not affected."""
+    says so; the other files of a run are not affected. `project`: what the file's project says
+    outside Python (`Config.project_for`: the PyTorch release it targets), None for
+    nothing."""
     try:
         with warnings.catch_warnings():
             # Evaluating the file's literals (libcst's `evaluated_value`) makes CPython warn about
             # the file's own invalid escapes: not ours to print, and never on the user's terminal.
             warnings.simplefilter("ignore")
-            return guard.run_with_deep_stack(_lint_text, source, path, rules)
+            return guard.run_with_deep_stack(_lint_text, source, path, rules, project)
     except Exception as exc:  # a defect of the engine itself, outside any one rule
         return FileResult(path, (_internal_finding(path, "the engine", exc),))
 
 
-def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
+def _lint_text(source: str, path: str, rules: Sequence[Rule], project: ProjectFacts | None = None) -> FileResult:
     if PREFILTER.search(source) is not None:
         large = guard.too_large(source)
         if large is not None:
@@ -133,10 +137,10 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule]) -> FileResult:
             return FileResult(path, (_dd000(path, *refused, 1),))
     tree, python_error = _python_tree(source)
     if tree is None:
-        return _unparsable(path, source, python_error, rules)
+        return _unparsable(path, source, python_error, rules, project)
     from distdoctor.lint.analysis.context import LintContext
 
-    ctx = LintContext(path, source, tree=tree, parse=_concrete_tree(path))
+    ctx = LintContext(path, source, tree=tree, parse=_concrete_tree(path), project=project)
     del tree
     ctx.index  # noqa: B018 -- read now: CPython's tree is freed before libcst's is built
     if len(source) > LARGE_SOURCE:
@@ -172,7 +176,9 @@ def _by_cpython(read: Callable[[str], T], source: str) -> tuple[T | None, Except
         return None, exc
 
 
-def _unparsable(path: str, source: str, python_error: Exception | None, rules: Sequence[Rule] = ()) -> FileResult:
+def _unparsable(
+    path: str, source: str, python_error: Exception | None, rules: Sequence[Rule] = (), project: ProjectFacts | None = None
+) -> FileResult:
     """A file CPython cannot parse: DD000, unless libcst reads it (syntax newer than the running
     Python), in which case `rules` check it."""
     refused = guard.too_deep_or_large(source)
@@ -188,7 +194,7 @@ def _unparsable(path: str, source: str, python_error: Exception | None, rules: S
         return FileResult(path, ())
     from distdoctor.lint.analysis.context import LintContext
 
-    return _lint_module(LintContext(path, source, module), rules)
+    return _lint_module(LintContext(path, source, module, project=project), rules)
 
 
 class _NotAnalysable(Exception):
@@ -649,11 +655,12 @@ def _git_ignored(folder: Path) -> set[Path]:
 # Many files: cache and parallelism
 
 
-def _cache_key(source: str, codes: Sequence[str]) -> str:
+def _cache_key(source: str, codes: Sequence[str], project: ProjectFacts | None = None) -> str:
     digest = hashlib.sha256()
     digest.update(__version__.encode())
     digest.update(ENGINE_REVISION.encode())
     digest.update(",".join(codes).encode())
+    digest.update(b"\0project " + (project.key() if project is not None else "").encode())
     digest.update(b"\0")
     digest.update(source.encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
@@ -697,9 +704,9 @@ class _Cache:
             pass  # a read-only tree still lints, only slower
 
 
-def _lint_job(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
-    path, source, codes = job
-    return lint_source(source, path, _rules(codes))
+def _lint_job(job: tuple[str, str, tuple[str, ...], ProjectFacts | None]) -> FileResult:
+    path, source, codes, project = job
+    return lint_source(source, path, _rules(codes), project=project)
 
 
 def _rules(codes: Sequence[str], cache_folder: Path | None = None) -> list[Rule]:
@@ -712,7 +719,7 @@ def _rules(codes: Sequence[str], cache_folder: Path | None = None) -> list[Rule]
     return rules_with_codes(codes)
 
 
-def _crashed(job: tuple[str, str, tuple[str, ...]]) -> FileResult:
+def _crashed(job: tuple[str, str, tuple[str, ...], ProjectFacts | None]) -> FileResult:
     path = job[0]
     return FileResult(
         path,
@@ -738,10 +745,11 @@ def lint(
     configured `exclude` patterns to files named explicitly too (as pre-commit names them)."""
     config = config or Config()
     codes = config.selected_codes()
+    project_files.forget()
     files, errors = discover(paths, config, force_exclude=force_exclude)
     cache = _Cache(config.root if config.cache else None)
     results: list[FileResult] = []
-    pending: list[tuple[str, str, str]] = []
+    pending: list[tuple[str, str, str, ProjectFacts | None]] = []
     for file in files:
         shown = str(file)
         try:
@@ -753,12 +761,13 @@ def lint(
             # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
-        key = _cache_key(source, codes) if cache.folder is not None else ""  # no hash without a cache
+        project = config.project_for(file)
+        key = _cache_key(source, codes, project) if cache.folder is not None else ""  # no hash without a cache
         cached = cache.get(key, shown)
         if cached is not None:
             results.append(cached)
         else:
-            pending.append((shown, source, key))
+            pending.append((shown, source, key, project))
 
     workers = jobs if jobs is not None else default_jobs()
     # Files no rule reads are only compiled (milliseconds each): many of them make a pool pay too.
@@ -771,13 +780,13 @@ def lint(
 
         if to_parse and multiprocessing.get_context().get_start_method() == "fork":
             _rules(codes, cache.folder)  # imported once here, inherited by every forked worker
-        fresh = run_supervised(_lint_job, [(p, s, codes) for p, s, _ in pending], workers, _crashed)
+        fresh = run_supervised(_lint_job, [(p, s, codes, t) for p, s, _, t in pending], workers, _crashed)
     else:
         # Only a file some rule can read needs the rules (and libcst) imported.
         rules = _rules(codes, cache.folder) if to_parse else []
         with guard.fewer_collections():
-            fresh = [lint_source(source, shown, rules) for shown, source, _ in pending]
-    for (_, _, key), result in zip(pending, fresh):
+            fresh = [lint_source(source, shown, rules, project=project) for shown, source, _, project in pending]
+    for (_, _, key, _), result in zip(pending, fresh):
         cache.put(key, result)
         results.append(result)
     findings: list[Finding] = []

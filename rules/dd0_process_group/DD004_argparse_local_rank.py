@@ -31,8 +31,13 @@ class ArgparseLocalRank(Rule):
     environment variable. The finding points at the `add_argument` line.
 
     Silent when the script reads `LOCAL_RANK` anywhere (for instance as the argument's default,
-    or `if "LOCAL_RANK" in os.environ: ...`), when the flag is never used for a device, and in
-    DeepSpeed scripts (the `deepspeed` launcher still passes `--local_rank`).
+    or `if "LOCAL_RANK" in os.environ: ...`), when the flag is never used for a device, in
+    DeepSpeed scripts (the `deepspeed` launcher still passes `--local_rank`), and in projects
+    that target PyTorch 1.x: `target-torch = "1.13"` in `[tool.distdoctor]`, or a 1.x pin in the
+    project's own files (`torch==1.9.0` in requirements.txt, `pytorch=1.7.0` in environment.yml,
+    "PyTorch 1.8.1" in the README beside them; a floor such as `torch>=1.6` admits 2.x and does
+    not count). There `python -m torch.distributed.launch` passes `--local_rank=N` to every
+    rank, so the flag is right until the project moves to PyTorch 2.
 
     ## Why is this bad?
     `python -m torch.distributed.launch` passes the local rank as a flag: `--local_rank=N` up
@@ -310,6 +315,9 @@ class ArgparseLocalRank(Rule):
         flags = _local_rank_flags(ctx)
         if not flags or _reads_local_rank_env(ctx) or _own_launcher(ctx) or _flag_overwritten(ctx):
             return
+        torch = ctx.project.torch
+        if torch is not None and torch.before_2 and any(_declares(flag, "--local_rank") for flag in flags):
+            return  # the project runs torch 1.x, whose torch.distributed.launch passes --local_rank=N
         use = next((u for u in device_indices(ctx) if _from_flag(ctx, u.trace.value(u.index, u.step))), None)
         if use is None:
             return
@@ -321,6 +329,13 @@ class ArgparseLocalRank(Rule):
                 "flag: it sets the LOCAL_RANK environment variable, so every rank keeps the default. "
                 'Read it: default=int(os.environ.get("LOCAL_RANK", 0)).',
             )
+
+
+def _declares(flag: cst.Call, name: str) -> bool:
+    return any(
+        arg.keyword is None and isinstance(arg.value, cst.SimpleString) and arg.value.evaluated_value == name
+        for arg in flag.args
+    )
 
 
 def _local_rank_flags(ctx: LintContext) -> list[cst.Call]:

@@ -17,6 +17,7 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from distdoctor.lint.analysis import evaluate, frameworks, kinds, loops, syntax
 from distdoctor.lint.finding import Edit
+from distdoctor.lint.project import ProjectFacts
 from distdoctor.lint.analysis.scope import Frame, ModuleInfo, is_spawn
 from distdoctor.lint.analysis.trace import Guard, Step, Trace, build_traces, iter_steps
 from distdoctor.lint.analysis.kinds import Value
@@ -84,12 +85,16 @@ class LintContext:
         *,
         tree: ast.Module | None = None,
         parse: Callable[[str], cst.Module] = cst.parse_module,
+        project: ProjectFacts | None = None,
     ) -> None:
         """`module`: libcst's tree of `source`, or None to parse it (with `parse`) when a rule
         first asks for it. `tree`: CPython's tree of `source`, from which the imports and calls are
         indexed (`index`) without libcst; it is dropped once read."""
         self.path = path
         self.source = source
+        # What the project says outside Python (`distdoctor.lint.project`): the PyTorch it
+        # targets, whether its launch scripts run one node.
+        self.project = project if project is not None else ProjectFacts()
         self._tree = tree
         self._parse = parse
         if module is not None:
@@ -354,6 +359,21 @@ class LintContext:
         for node in syntax.walk(self.module):
             index.setdefault(type(node), []).append(node)
         return index
+
+    def dead_function(self, node: cst.CSTNode) -> bool:
+        """Whether `node` lies in a module-level function this file never names again (never
+        called, passed, decorated or exported: `def enable_fsdp(model): ...` whose only call
+        was commented out). A function of a module that others import is only dead when the file
+        is a script (it has a `__main__` block)."""
+        func = self.enclosing(node, cst.FunctionDef)
+        while func is not None and self.enclosing(func, (cst.FunctionDef, cst.ClassDef)) is not None:
+            func = self.enclosing(func, (cst.FunctionDef, cst.ClassDef))
+        if not isinstance(func, cst.FunctionDef) or "__main__" not in self.source:
+            return False
+        name = func.name.value
+        uses = sum(1 for found in self.nodes(cst.Name) if found.value == name)
+        uses += sum(1 for found in self.nodes(cst.SimpleString) if name in found.value)  # `__all__`, getattr
+        return uses <= 1  # the def's own name
 
     def nodes(self, *types: type) -> list[cst.CSTNode]:
         """Every node of the given types in the file, in source order per type: one walk of the

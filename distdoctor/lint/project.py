@@ -1,0 +1,161 @@
+"""What a file's project says about itself outside Python: the PyTorch release it targets.
+
+Some findings depend on the PyTorch the project runs on, as ruff's upgrade rules depend on
+`requires-python`. DD004 is one: `python -m torch.distributed.launch` passes `--local_rank=N` up
+to PyTorch 1.13, so a project pinned to torch 1.x that launches that way sets the flag on every
+rank; on 2.x the same launcher passes `--local-rank` and torchrun passes nothing.
+
+The version comes from `target-torch` in `[tool.distdoctor]`, else from the nearest folder, upward
+from the file, whose dependency files mention torch: requirements*.txt, environment*.yml, setup.py,
+setup.cfg, pyproject.toml, and in the same folder a README when none of those names torch. Only
+text is read, never executed. A pin (`torch==1.9.0`, `pytorch=1.7.0`, `torch~=1.8.1`, `torch<2`,
+prose such as `PyTorch 1.8.1`) gives the release; a floor (`torch>=1.6`) admits 2.x and gives
+none, and so does any mention of 2.x or later beside a 1.x pin. When nothing decides, the result is
+None and rules assume a current PyTorch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+# The folders looked at, upward from a file: a project rarely nests deeper than this.
+MAX_LEVELS = 8
+# Dependency files larger than this are not dependency files (a vendored dataset, a log).
+MAX_BYTES = 256 * 1024
+
+_DEPENDENCY_FILE = re.compile(
+    r"(?i)^(requirements[\w.-]*\.(txt|in)|environment[\w.-]*\.ya?ml|setup\.py|setup\.cfg|pyproject\.toml)$"
+)
+_README = re.compile(r"(?i)^readme(\.(md|rst|txt))?$")
+# `torch==1.9.0`, `pytorch=1.7.0`, `torch~=1.8.1`, `torch<2.0`, `PyTorch 1.8.1`, `torch >= 1.6`;
+# not torchvision/torchaudio (their versions are not torch's) and not `torch.cuda`.
+_MENTION = re.compile(
+    r"(?i)(?<![\w.-])(?:py)?torch(?![\w.-])[ \t]*(?P<op>==|~=|<=|>=|<|>|=|:|)[ \t]*v?(?P<major>\d+)(?:\.(?P<minor>\d+))?"
+)
+
+
+@dataclass(frozen=True)
+class ProjectFacts:
+    """What the linted file's project says outside Python."""
+
+    torch: TorchTarget | None = None  # the PyTorch release it targets; None: a current one
+
+    def key(self) -> str:
+        """What the lint cache keys on."""
+        return self.torch.key() if self.torch else ""
+
+
+def project_facts(file: str | os.PathLike[str], torch: TorchTarget | None = None) -> ProjectFacts:
+    """The facts of `file`'s project; `torch` (from the configuration) replaces the pins read."""
+    return ProjectFacts(torch if torch is not None else torch_target(file))
+
+
+@dataclass(frozen=True)
+class TorchTarget:
+    """The PyTorch release a project targets, and where that was read."""
+
+    major: int
+    minor: int
+    source: str  # "requirements.txt: torch==1.9.0", or "[tool.distdoctor] target-torch"
+
+    @property
+    def before_2(self) -> bool:
+        return self.major < 2
+
+    def key(self) -> str:
+        """What the lint cache keys on."""
+        return f"{self.major}.{self.minor}"
+
+
+def forget() -> None:
+    """Drop what was read of the folders: a new run reads the files as they are now."""
+    _folder_target.cache_clear()
+
+
+def parse_version(text: str, source: str) -> TorchTarget | None:
+    """`"1.9"` or `"2.4.1"` as a target, or None when it is no version."""
+    match = re.fullmatch(r"\s*(\d+)\.(\d+)(\.\d+)?\s*", text)
+    if match is None:
+        return None
+    return TorchTarget(int(match.group(1)), int(match.group(2)), source)
+
+
+def torch_target(file: str | os.PathLike[str]) -> TorchTarget | None:
+    """The release `file`'s project pins torch to, read from its dependency files; None when they
+    do not decide (no mention, a floor only, or 2.x mentioned)."""
+    folder = os.path.dirname(os.path.abspath(file))
+    for _ in range(MAX_LEVELS):
+        found = _folder_target(folder)
+        if found is not None:
+            return found[0]
+        if os.path.isdir(os.path.join(folder, ".git")) or os.path.isfile(os.path.join(folder, ".git")):
+            return None  # the repository's root: what lies above is another project
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+    return None
+
+
+@lru_cache(maxsize=256)
+def _folder_target(folder: str) -> tuple[TorchTarget | None] | None:
+    """(the target,) when this folder's files mention torch with a version (the target None when
+    they do not pin 1.x), None when they say nothing and the search goes on upward."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    for pattern in (_DEPENDENCY_FILE, _README):
+        mentions: list[tuple[str, int, int, str]] = []
+        for name in names:
+            if pattern.match(name):
+                mentions.extend(_mentions(os.path.join(folder, name)))
+        if mentions:
+            return (_decide(mentions),)
+    return None
+
+
+def _mentions(path: str) -> list[tuple[str, int, int, str]]:
+    try:
+        if os.path.getsize(path) > MAX_BYTES:
+            return []
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return []
+    name = os.path.basename(path)
+    return [
+        (m.group("op").strip(), int(m.group("major")), int(m.group("minor") or 0), f"{name}: {m.group(0).strip()}")
+        for m in _MENTION.finditer(text)
+        if m.group("minor") is not None or m.group("op").strip()  # "torch<2", not prose "torch 1"
+    ]
+
+
+def _decide(mentions: list[tuple[str, int, int, str]]) -> TorchTarget | None:
+    pins: list[TorchTarget] = []
+    for op, major, minor, said in mentions:
+        if major == 0:
+            continue  # `pytorch==0.3` beside a real pin: too old to mean anything here
+        if op in (">=", ">"):
+            if major >= 2:
+                return None  # the project asks for 2.x
+            continue  # a floor admits 2.x
+        if op == "<":  # a cap: torch<2, torch<2.0 are below 2
+            if (major, minor) > (2, 0):
+                return None
+            pins.append(TorchTarget(1, 0, said))
+            continue
+        if op == "<=":  # torch<=1.13
+            if major >= 2:
+                return None
+            pins.append(TorchTarget(major, minor, said))
+            continue
+        if major >= 2:
+            return None
+        pins.append(TorchTarget(major, minor, said))
+    return pins[0] if pins else None
+

@@ -1,0 +1,136 @@
+"""The project's own files decide the PyTorch release a file is linted for (`target-torch`, the
+pins of requirements.txt, environment.yml, setup.py, the README): DD004 is silent on torch 1.x,
+where `torch.distributed.launch` passes `--local_rank` to every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from distdoctor.cli import main
+from distdoctor.lint.project import torch_target
+
+# `--local_rank` picks the device, LOCAL_RANK is never read: DD004 on a current PyTorch.
+SCRIPT = textwrap.dedent(
+    """
+    import argparse
+    import torch
+    import torch.distributed as dist
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    torch.cuda.set_device(args.local_rank)
+    dist.init_process_group("nccl")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2).cuda(), device_ids=[args.local_rank])
+    """
+)
+
+
+def codes(folder: Path, *extra: str) -> list[str]:
+    old = os.getcwd()
+    os.chdir(folder)
+    try:
+        result = CliRunner().invoke(main, ["lint", "--format", "json", *extra, "src/train.py"])
+    finally:
+        os.chdir(old)
+    assert result.exit_code in (0, 1), result.output
+    return [finding["code"] for finding in json.loads(result.output)]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text(SCRIPT)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("requirements.txt", "numpy\ntorch==1.9.0+cu111\ntorchvision==0.10.0\n"),
+        ("environment.yml", "dependencies:\n  - python=3.8\n  - pytorch=1.7.0\n"),
+        ("setup.py", 'setup(install_requires=["torch~=1.8.1"])\n'),
+        ("requirements.txt", "torch<2\n"),
+        ("README.md", "## Requirements\n- Python 3.8\n- PyTorch 1.8.1\n"),
+    ],
+)
+def test_a_torch_1_pin_silences_dd004(project, name, text):
+    assert codes(project) == ["DD004"]
+    (project / name).write_text(text)
+    assert codes(project) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("requirements.txt", "torch>=1.6\n"),  # a floor admits 2.x
+        ("requirements.txt", "torch==2.1.0\n"),
+        ("README.md", "Tested with PyTorch 1.13 and PyTorch 2.1.\n"),  # 2.x beside 1.x
+        ("requirements.txt", "torchvision==0.10.0\n"),  # not torch's version
+    ],
+)
+def test_no_pin_below_2_keeps_dd004(project, name, text):
+    (project / name).write_text(text)
+    assert codes(project) == ["DD004"]
+
+
+def test_the_nearest_folder_that_names_torch_decides(project):
+    (project / "requirements.txt").write_text("torch==1.10.0\n")
+    (project / "src" / "requirements.txt").write_text("torch==2.2.0\n")
+    assert codes(project) == ["DD004"]
+    (project / "src" / "requirements.txt").write_text("numpy\n")  # says nothing of torch: go on up
+    assert codes(project) == []
+
+
+def test_a_readme_counts_only_when_the_dependency_files_say_nothing(project):
+    (project / "README.md").write_text("Install PyTorch 1.7.1.\n")
+    (project / "requirements.txt").write_text("torch>=1.7\n")
+    assert codes(project) == ["DD004"]
+
+
+def test_the_repository_root_bounds_the_search(tmp_path):
+    (tmp_path / "requirements.txt").write_text("torch==1.9.0\n")  # another project, above the repository
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "src").mkdir()
+    (repo / "src" / "train.py").write_text(SCRIPT)
+    assert torch_target(repo / "src" / "train.py") is None
+    assert codes(repo) == ["DD004"]
+
+
+def test_target_torch_in_the_configuration_wins(project):
+    (project / "requirements.txt").write_text("torch==1.9.0\n")
+    assert codes(project) == []
+    (project / "pyproject.toml").write_text('[tool.distdoctor]\ntarget-torch = "2.4"\n')
+    assert codes(project) == ["DD004"]  # migrating to 2.x: see what breaks
+    (project / "requirements.txt").write_text("torch==2.4.0\n")
+    (project / "pyproject.toml").write_text('[tool.distdoctor]\ntarget-torch = "1.13"\n')
+    assert codes(project) == []
+
+
+def test_a_bad_target_torch_is_a_configuration_error(project):
+    (project / "pyproject.toml").write_text('[tool.distdoctor]\ntarget-torch = "latest"\n')
+    old = os.getcwd()
+    os.chdir(project)
+    try:
+        result = CliRunner().invoke(main, ["lint", "src/train.py"])
+    finally:
+        os.chdir(old)
+    assert result.exit_code == 2
+    assert "target-torch" in result.output and "Traceback" not in result.output
+
+
+def test_the_cache_follows_the_pin(project):
+    """A cached result is not reused once the pin changes: the project's facts are in the key."""
+    (project / "pyproject.toml").write_text("[tool.distdoctor]\ncache = true\n")
+    assert codes(project) == ["DD004"]
+    (project / "requirements.txt").write_text("torch==1.9.0\n")
+    assert codes(project) == []
+    (project / "requirements.txt").write_text("torch==2.3.0\n")
+    assert codes(project) == ["DD004"]
