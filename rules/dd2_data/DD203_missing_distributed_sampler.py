@@ -205,6 +205,66 @@ class MissingDistributedSampler(Rule):
     )
     valid = (
         Example(
+            # The only FSDP wrap is in a helper the script never calls (its call is commented out): no
+            # data-parallel wrapper trains here.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.utils.data import DataLoader
+
+
+            def shard(model):
+                return FSDP(model, use_orig_params=True)
+
+
+            def main(dataset):
+                dist.init_process_group("nccl")
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+                torch.manual_seed(dist.get_rank())  # each rank samples its own rollouts from the same prompts
+                model = torch.nn.Linear(16, 16).cuda()
+                # model = shard(model)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                for prompts in DataLoader(dataset, batch_size=1):
+                    optimizer.zero_grad()
+                    model(prompts.cuda()).sum().backward()
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                    optimizer.step()
+
+
+            if __name__ == "__main__":
+                main(torch.randn(128, 16))
+            """
+        ),
+        Example(
+            # Made-up data (a benchmark's synthetic images): every rank draws its own samples, there is
+            # nothing to split.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+
+            from bench.data import SyntheticImages
+
+            dist.init_process_group("nccl")
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            model = DDP(torch.nn.Linear(32, 10).cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            images = SyntheticImages(length=10_000, shape=(32,))
+            for x, y in DataLoader(images, batch_size=64):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda()).backward()
+                optimizer.step()
+            """
+        ),
+        Example(
             # The loader without a sampler is made in the `else` of `if
             # is_dist_avail_and_initialized():`, where one process trains.
             """
@@ -448,6 +508,8 @@ class MissingDistributedSampler(Rule):
                 continue
             if _debug_branch_of_sharded_loader(ctx, trace, call):
                 continue
+            if _synthetic(ctx, trace, step, dataset):
+                continue  # `FakeDataset(n)`, `RandomDataset(...)`: no data to split, only a load to make
             if guarded_calls.off_the_distributed_branch(ctx, trace, step):
                 continue  # `else: train_single_gpu()` beside `if ddp: train_ddp()`: one process
             if guarded_calls.single_process_only(ctx, step):
@@ -455,11 +517,14 @@ class MissingDistributedSampler(Rule):
             reported.add(id(call))
             horovod = ctx.uses_horovod and not any(True for _ in ctx.calls(DDP))
             extra = ", num_replicas=hvd.size(), rank=hvd.rank()" if horovod else ""
+            shuffle = syntax.keyword(call, "shuffle")
+            shuffled = isinstance(shuffle, cst.Name) and shuffle.value == "True"
+            named = ctx.code(dataset) if len(ctx.code(dataset)) <= 40 else "dataset"
             yield Report(
                 call,
                 f"this training DataLoader has no sampler, so every rank iterates the whole dataset "
-                f"(N copies of each epoch). Pass sampler=DistributedSampler({ctx.code(dataset)}{extra}) "
-                "instead of shuffle=True, and call sampler.set_epoch(epoch) each epoch.",
+                f"(N copies of each epoch). Pass sampler=DistributedSampler({named}{extra})"
+                f"{' instead of shuffle=True' if shuffled else ''}, and call sampler.set_epoch(epoch) each epoch.",
             )
 
 
@@ -468,7 +533,9 @@ def _trains_distributed(ctx: LintContext) -> bool:
         return True
     # FSDP and FSDP2 are data parallel too; with tensor parallelism the ranks of a TP group must
     # read the same batch, so a plain loader may be right there.
-    return ctx.sharding.uses(FSDP1, FSDP2) and not ctx.sharding.uses(TP)
+    # A wrap in a helper the file never calls (`model = enable_fsdp(model)` commented out) is no wrap.
+    shards = any(e.kind in (FSDP1, FSDP2) and not ctx.dead_function(e.call) for e in ctx.sharding.events)
+    return shards and not ctx.sharding.uses(TP)
 
 
 def _debug_branch_of_sharded_loader(ctx: LintContext, trace: Trace, call: cst.Call) -> bool:
@@ -551,6 +618,30 @@ def _iterable_classes(ctx: LintContext) -> set[str]:
                 found.add(name)
                 changed = True
     return found
+
+
+SYNTHETIC_WORDS = frozenset({"fake", "synthetic", "dummy", "random", "rand"})
+
+
+def _synthetic(ctx: LintContext, trace: Trace, step: Step, dataset: cst.BaseExpression) -> bool:
+    """Whether the dataset is made-up data by its class's name (`FakeDataset(n)`,
+    `SyntheticData(...)`, `torchvision.datasets.FakeData`, a `RandomDataset`): samples drawn at
+    random, or a benchmark's stand-in, where no rank misses or repeats a real sample."""
+    value = trace.value(dataset, step)
+    made = dataset
+    if value is not None:
+        made = value.node if isinstance(value.node, cst.Call) else (bound_expression(value) or dataset)
+    if isinstance(made, cst.Call):
+        names = [dotted(made.func) or "", ctx.qualname(made.func) or ""]
+    elif value is not None and value.kind == kinds.INSTANCE:
+        names = [str(value.attrs.get("class", ""))]
+    else:
+        return False
+    for name in names:
+        last = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name.rsplit(".", 1)[-1])
+        if SYNTHETIC_WORDS & {w for w in re.split(r"[^a-z0-9]+", last.lower()) if w}:
+            return True
+    return False
 
 
 def _sharded_or_iterable(

@@ -416,6 +416,100 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # A Ray Tune trial saves into the folder Ray gives it (`with tune.checkpoint_dir(...) as
+            # folder:`): one folder per trial, whatever the rest of the module does with DDP.
+            """
+            import os
+            from functools import partial
+
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            from ray import tune
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def fit(model, optimizer, loader, epochs, rank):
+                for epoch in range(epochs):
+                    for x, y in loader:
+                        optimizer.zero_grad()
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                        optimizer.step()
+                    if rank == 0:
+                        torch.save(model.state_dict(), "model.pt")
+
+
+            def worker(rank, world_size, loader):
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+                model = DDP(torch.nn.Linear(4, 1))
+                fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, 10, rank)
+
+
+            def trainable(config, loader):
+                model = torch.nn.Linear(4, 1)
+                optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
+                for epoch in range(10):
+                    for x, y in loader:
+                        optimizer.zero_grad()
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                        optimizer.step()
+                    with tune.checkpoint_dir(step=epoch) as folder:
+                        torch.save((model.state_dict(), optimizer.state_dict()), os.path.join(folder, "checkpoint"))
+                    tune.report(loss=0.0)
+
+
+            def tune_setup(data):
+                return tune.run(partial(trainable, loader=data), config={"lr": tune.loguniform(1e-4, 1e-1)})
+
+
+            def ddp_setup(data, world_size):
+                mp.spawn(worker, args=(world_size, data), nprocs=world_size)
+            """
+        ),
+        Example(
+            # The single-process branch of a flag read from a configuration mapping (`cfg["horovod"]`),
+            # the same flag that starts Horovod in main: two reads of one argument-less loader are one
+            # flag.
+            """
+            import horovod.torch as hvd
+            import torch
+            import yaml
+
+
+            def load_config():
+                with open("config.yaml") as handle:
+                    return yaml.safe_load(handle)
+
+
+            def train(model, optimizer, loader):
+                cfg = load_config()
+                for epoch in range(cfg["epochs"]):
+                    for x, y in loader:
+                        optimizer.zero_grad()
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                        optimizer.step()
+                    if cfg["horovod"]:
+                        if hvd.rank() == 0:
+                            torch.save(model.state_dict(), "last.pt")
+                    else:
+                        torch.save(model.state_dict(), "last.pt")
+
+
+            if __name__ == "__main__":
+                cfg = load_config()
+                if cfg["horovod"]:
+                    hvd.init()
+                    torch.cuda.set_device(hvd.local_rank())
+                model = torch.nn.Linear(8, 1).cuda()
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+                if cfg["horovod"]:
+                    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+                    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8)
+                train(model, optimizer, loader)
+            """
+        ),
+        Example(
             # A process group of one process (world_size=1): one writer.
             """
             import torch
@@ -1161,6 +1255,8 @@ class UnguardedCheckpointSave(Rule):
                 continue
             if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
                 continue
+            if _in_ray_trial_folder(ctx, call):
+                continue
             if guarded_calls.off_the_distributed_branch(ctx, trace, step):
                 continue
             if _under_flag_set_by_starter(ctx, trace, step):
@@ -1199,6 +1295,18 @@ class UnguardedCheckpointSave(Rule):
                     "that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
                 )
             yield Report(call, message)
+
+
+def _in_ray_trial_folder(ctx: LintContext, call: cst.Call) -> bool:
+    """Inside `with tune.checkpoint_dir(step=epoch) as folder:` (Ray Tune, Ray Train): Ray gives
+    each trial and worker a folder of its own and collects it."""
+    for ancestor in ctx.ancestors(call):
+        if isinstance(ancestor, cst.With):
+            for item in ancestor.items:
+                made = item.item
+                if isinstance(made, cst.Call) and (ctx.qualname(made.func) or "").startswith("ray."):
+                    return True
+    return False
 
 
 def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression | None) -> bool:

@@ -43,7 +43,7 @@ class Guard:
     # For a flag test (`if ddp:`), the node whose value the flag held there: two tests of one
     # module-level flag, in different functions, are one condition. For a flag bound nowhere on
     # the path, its text.
-    flag_source: int | str | tuple[int, str] | None = field(default=None, compare=False)
+    flag_source: int | str | tuple[int | str, str] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,8 +149,20 @@ def flag_test(test: cst.BaseExpression) -> tuple[str, bool] | None:
         negative = isinstance(target.operator, (cst.NotEqual, cst.IsNot))
         inverted ^= (literal.value == "False") != negative
         test = test.left
+    if isinstance(test, cst.Subscript):
+        # `args["horovod"]`, `cfg['distributed']`: a flag read from a mapping by a literal key.
+        key = _literal_key(test)
+        base = dotted(test.value) if key is not None and isinstance(test.value, (cst.Name, cst.Attribute)) else None
+        return None if base is None else (f"{base}[{key!r}]", inverted)
     text = dotted(test) if isinstance(test, (cst.Name, cst.Attribute)) else None
     return None if text is None else (text, inverted)
+
+
+def _literal_key(node: cst.Subscript) -> str | None:
+    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
+        return None
+    value = node.slice[0].slice.value
+    return value.evaluated_value if isinstance(value, cst.SimpleString) and isinstance(value.evaluated_value, str) else None
 
 
 @dataclass
@@ -241,13 +253,21 @@ class _Builder:
         source = None
         if flag is not None:
             name = flag[0].removesuffix(NOT_NONE)
+            name, bracket, key = name.partition("[")  # `args["horovod"]`: the mapping `args`
             held = lookup(self.env, name, frame)
             if held is None:
                 # Bound nowhere on the path (`opt.multiprocessing_distributed`, a parsed flag the
                 # file never assigns): every test of it, in any function, reads the one value.
                 source = flag[0]
             elif held.node is not None:
-                source = id(held.node) if name == flag[0] else (id(held.node), NOT_NONE)
+                if bracket:
+                    # Two reads of one configuration (`args = get_yaml()` in main and again in
+                    # train): the same argument-less call gives the same mapping.
+                    made = held.node.value if isinstance(held.node, cst.Assign) else None
+                    maker = dotted(made.func) if isinstance(made, cst.Call) and not made.args else None
+                    source = (maker or id(held.node), flag[0][len(name):])
+                else:
+                    source = id(held.node) if name == flag[0] else (id(held.node), NOT_NONE)
         return Guard(test, negated, frame, results, source)
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
