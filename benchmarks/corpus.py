@@ -2,7 +2,10 @@
 
 The corpus is data only. `benchmarks/corpus/*.manifest.jsonl` pins every file by repository,
 commit and path; `*.judgments.jsonl` holds one verdict per default-on finding (TP or FP with a
-one-line reason); `*.misses.jsonl` lists bugs seen in those files that no rule reports. The code
+one-line reason); `*.misses.jsonl` lists bugs seen in those files that no rule reports; `*.context.jsonl` pins the
+project files the linter reads beside a linted file (dependency lists and READMEs in its folder and
+the folders above, where a torch pin is read: see distdoctor/lint/project.py), fetched with the
+manifest files and never linted. The code
 itself is never committed: `fetch()` materialises it into a local cache laid out as
 
     <cache>/<owner>+<name>/<commit>/<path>
@@ -204,6 +207,16 @@ def load_manifest(directory: Path = CORPUS_DIR) -> list[Entry]:
             seen[entry.key] = where
             entries.append(entry)
     return entries
+
+
+def load_context(directory: Path = CORPUS_DIR) -> list[Entry]:
+    """Every project file of every `*.context.jsonl`: fetched into the cache, never linted."""
+    entries: dict[FileKey, Entry] = {}
+    for file in _files(directory, ".context.jsonl"):
+        for where, record in _records(file):
+            repo, commit, path = _file_fields(record, where)
+            entries.setdefault((repo, commit, path), Entry(repo, commit, path, "other", "mixed", where))
+    return list(entries.values())
 
 
 def load_judgments(directory: Path = CORPUS_DIR) -> list[Judgment]:

@@ -309,7 +309,7 @@ def main_corpus(args) -> int:
         print(f"corpus: no *.manifest.jsonl entries in {directory}", file=sys.stderr)
         return 2
     if args.fetch:
-        fetched, failed = corpus_data.fetch(cache, entries)
+        fetched, failed = corpus_data.fetch(cache, [*entries, *corpus_data.load_context(directory)])
         print(f"corpus: fetched {fetched} files into {cache}, {failed} could not be fetched", file=sys.stderr)
     findings, absent, errors = lint_corpus(cache, entries, args.jobs, tuple(sorted({j.code for j in judgments})))
     present = len(entries) - len(absent)
