@@ -125,6 +125,25 @@ class InitHardcodedRank(Rule):
     )
     valid = (
         Example(
+            # The fake backend: one process traces the collectives of a larger job (a precompile step),
+            # with no peers to meet.
+            """
+            import torch
+            import torch.distributed as dist
+
+
+            def precompile(model_builder, world_size):
+                # One process traces the collectives of a `world_size` job: the fake backend answers them.
+                dist.init_process_group("fake", rank=0, world_size=world_size)
+                model = model_builder()
+                return torch.compile(model)
+
+
+            if __name__ == "__main__":
+                precompile(lambda: torch.nn.Linear(4, 4), world_size=64)
+            """
+        ),
+        Example(
             """
             import torch.distributed as dist
             import torch.multiprocessing as mp
@@ -283,6 +302,9 @@ class InitHardcodedRank(Rule):
         for trace, step, call in ctx.calls(INIT):
             if id(call) in reported or step.infeasible:
                 continue
+            backend = syntax.argument(call, 0, "backend")
+            if isinstance(backend, cst.SimpleString) and backend.evaluated_value == "fake":
+                continue  # the fake backend: one process tracing collectives, no peers to meet
             rank_expr = syntax.argument(call, 4, "rank")
             world_expr = syntax.argument(call, 3, "world_size")
             world = trace.value(world_expr, step) if world_expr is not None else None

@@ -300,6 +300,29 @@ class CollectiveInRankBranch(Rule):
     )
     valid = (
         Example(
+            # A check of a setting, not of a computed value (`math.isinf(norm_type)` picks the norm),
+            # with the same collective in both branches: every rank joins one of them.
+            """
+            import math
+
+            import torch
+            import torch.distributed as dist
+
+
+            def clip_grad_norm(parameters, max_norm, norm_type=2.0, group=None):
+                grads = [p.grad for p in parameters if p.grad is not None]
+                total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+                if math.isinf(norm_type):
+                    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+                else:
+                    total **= norm_type
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                    total **= 1.0 / norm_type
+                torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+                return total
+            """
+        ),
+        Example(
             # A process group of one process (world_size=1): no other rank waits in the skipped
             # backward.
             """

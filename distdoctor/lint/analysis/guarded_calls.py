@@ -195,11 +195,13 @@ def skipped_by_value_checks(ctx: LintContext, trace: Trace) -> Iterable[ValueSki
             continue
         for guard in step.guards:
             checked = _checked_value(guard.test)
-            if checked is None or _reduced_across_ranks(ctx, checked):
+            if checked is None or _reduced_across_ranks(ctx, checked) or _numeric_setting(ctx, guard.test, checked):
                 continue
             statement = ctx.parent(guard.test)
             if guard.negated and isinstance(statement, cst.If) and _ends_the_process(statement.body.body):
                 continue
+            if isinstance(statement, cst.If) and _other_branch_calls(statement, guard.negated, what):
+                continue  # `if isinf(p): all_reduce(MAX) else: all_reduce(SUM)`: every rank joins one
             yield ValueSkip(step, call, what, guard.test, checked)
             break
 
@@ -219,6 +221,33 @@ def _gradient_reducer(ctx: LintContext, call: cst.Call) -> str | None:
         return None  # a function of this module is inlined: its collectives are seen directly
     last = name.rsplit(".", 1)[-1]
     return last if is_gradient_reducer_name(last) else None
+
+
+def _other_branch_calls(statement: cst.If, negated: bool, what: str) -> bool:
+    """Whether the branch of `statement` the step is not in makes the same collective."""
+    other = statement.body if negated else statement.orelse
+    if other is None:
+        return False
+    short = what.rsplit(".", 1)[-1]
+    return any(
+        type(node) is cst.Call and (dotted(node.func) or "").rsplit(".", 1)[-1] == short for node in syntax.walk(other)
+    )
+
+
+def _numeric_setting(ctx: LintContext, test: cst.BaseExpression, name: str) -> bool:
+    """Whether the checked name is a parameter of the enclosing function with a number for its
+    default (`norm_type=2.0`): a setting every rank is given alike, not a value it computed."""
+    func = ctx.enclosing(test, cst.FunctionDef)
+    if func is None or "." in name:
+        return False
+    params = [*func.params.posonly_params, *func.params.params, *func.params.kwonly_params]
+    for param in params:
+        if param.name.value == name:
+            default = param.default
+            if isinstance(default, cst.UnaryOperation):
+                default = default.expression
+            return isinstance(default, (cst.Integer, cst.Float))
+    return False
 
 
 def _checked_value(test: cst.BaseExpression) -> str | None:

@@ -24,6 +24,7 @@ CANONICAL: Mapping[str, str] = {
     "torch.utils.data.dataloader.DataLoader": "torch.utils.data.DataLoader",
     "torch.distributed.distributed_c10d": "torch.distributed",
     "torch.multiprocessing.spawn.spawn": "torch.multiprocessing.spawn",
+    "dgl.multiprocessing": "torch.multiprocessing",  # DGL re-exports it (Process, spawn)
     "horovod.torch.mpi_ops": "horovod.torch",
     "horovod.torch.optimizer": "horovod.torch",
     "horovod.torch.functions": "horovod.torch",
