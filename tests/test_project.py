@@ -58,6 +58,10 @@ def project(tmp_path: Path) -> Path:
         ("setup.py", 'setup(install_requires=["torch~=1.8.1"])\n'),
         ("requirements.txt", "torch<2\n"),
         ("README.md", "## Requirements\n- Python 3.8\n- PyTorch 1.8.1\n"),
+        ("README.md", "Pytorch >= 1.2.0 (<= 1.6.0)\n"),  # a floor with a cap below 2
+        ("requirements.txt", "torch>=1.8,<2.0\n"),
+        ("setup.sh", "conda install pytorch=1.8 torchvision -c pytorch\n"),
+        ("Dockerfile", "FROM pytorch/pytorch:1.9.0-cuda11.1-cudnn8-runtime\n"),
     ],
 )
 def test_a_torch_1_pin_silences_dd004(project, name, text):
@@ -73,6 +77,10 @@ def test_a_torch_1_pin_silences_dd004(project, name, text):
         ("requirements.txt", "torch==2.1.0\n"),
         ("README.md", "Tested with PyTorch 1.13 and PyTorch 2.1.\n"),  # 2.x beside 1.x
         ("requirements.txt", "torchvision==0.10.0\n"),  # not torch's version
+        ("requirements.txt", "torch>=1.8,<3\n"),  # the range admits 2.x
+        ("Dockerfile", "FROM nvcr.io/nvidia/pytorch:23.10-py3\n"),  # a container release, not torch's
+        ("requirements.txt", "# see https://pytorch.org\ntorch\n"),
+        ("run.sh", "pip install torch==1.9.0\n"),  # a launch script is no dependency file
     ],
 )
 def test_no_pin_below_2_keeps_dd004(project, name, text):

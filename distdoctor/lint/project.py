@@ -7,7 +7,8 @@ rank; on 2.x the same launcher passes `--local-rank` and torchrun passes nothing
 
 The version comes from `target-torch` in `[tool.distdoctor]`, else from the nearest folder, upward
 from the file, whose dependency files mention torch: requirements*.txt, environment*.yml, setup.py,
-setup.cfg, pyproject.toml, and in the same folder a README when none of those names torch. Only
+setup.cfg, pyproject.toml, setup*.sh/install*.sh (`conda install pytorch=1.8`), Dockerfile
+(`FROM pytorch/pytorch:1.9.0-...`), and in the same folder a README when none of those names torch. Only
 text is read, never executed. A pin (`torch==1.9.0`, `pytorch=1.7.0`, `torch~=1.8.1`, `torch<2`,
 prose such as `PyTorch 1.8.1`) gives the release; a floor (`torch>=1.6`) admits 2.x and gives
 none, and so does any mention of 2.x or later beside a 1.x pin. When nothing decides, the result is
@@ -28,7 +29,8 @@ MAX_LEVELS = 8
 MAX_BYTES = 256 * 1024
 
 _DEPENDENCY_FILE = re.compile(
-    r"(?i)^(requirements[\w.-]*\.(txt|in)|environment[\w.-]*\.ya?ml|setup\.py|setup\.cfg|pyproject\.toml)$"
+    r"(?i)^(requirements[\w.-]*\.(txt|in)|environment[\w.-]*\.ya?ml|setup\.py|setup\.cfg|pyproject\.toml"
+    r"|(setup|install)[\w.-]*\.sh|dockerfile[\w.-]*)$"
 )
 _README = re.compile(r"(?i)^readme(\.(md|rst|txt))?$")
 # `torch==1.9.0`, `pytorch=1.7.0`, `torch~=1.8.1`, `torch<2.0`, `PyTorch 1.8.1`, `torch >= 1.6`;
@@ -36,6 +38,8 @@ _README = re.compile(r"(?i)^readme(\.(md|rst|txt))?$")
 _MENTION = re.compile(
     r"(?i)(?<![\w.-])(?:py)?torch(?![\w.-])[ \t]*(?P<op>==|~=|<=|>=|<|>|=|:|)[ \t]*v?(?P<major>\d+)(?:\.(?P<minor>\d+))?"
 )
+
+_CAP = re.compile(r"[\d.]*[ \t]*[,(][ \t]*(?P<op><=|<)[ \t]*v?(?P<major>\d+)(?:\.(?P<minor>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -128,22 +132,27 @@ def _mentions(path: str) -> list[tuple[str, int, int, str]]:
     except OSError:
         return []
     name = os.path.basename(path)
-    return [
-        (m.group("op").strip(), int(m.group("major")), int(m.group("minor") or 0), f"{name}: {m.group(0).strip()}")
-        for m in _MENTION.finditer(text)
-        if m.group("minor") is not None or m.group("op").strip()  # "torch<2", not prose "torch 1"
-    ]
+    found = []
+    for m in _MENTION.finditer(text):
+        if m.group("minor") is None and not m.group("op").strip():
+            continue  # "torch<2" counts, prose "torch 1" does not
+        if not 1 <= int(m.group("major")) < 10:
+            continue  # `pytorch==0.3` (older than any launcher here); `nvidia/pytorch:22.06`, a container's release
+        found.append((m.group("op").strip(), int(m.group("major")), int(m.group("minor") or 0), f"{name}: {m.group(0).strip()}"))
+        # A cap after the floor on the same line: `torch>=1.2,<1.7`, "PyTorch >= 1.2.0 (<= 1.6.0)".
+        cap = _CAP.match(text, m.end())
+        if cap is not None:
+            found.append((cap.group("op"), int(cap.group("major")), int(cap.group("minor") or 0), f"{name}: {m.group(0).strip()}{cap.group(0)}"))
+    return found
 
 
 def _decide(mentions: list[tuple[str, int, int, str]]) -> TorchTarget | None:
     pins: list[TorchTarget] = []
     for op, major, minor, said in mentions:
-        if major == 0:
-            continue  # `pytorch==0.3` beside a real pin: too old to mean anything here
         if op in (">=", ">"):
             if major >= 2:
                 return None  # the project asks for 2.x
-            continue  # a floor admits 2.x
+            continue  # a floor admits 2.x, unless a cap below 2 goes with it (counted as a pin)
         if op == "<":  # a cap: torch<2, torch<2.0 are below 2
             if (major, minor) > (2, 0):
                 return None
