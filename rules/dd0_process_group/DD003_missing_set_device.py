@@ -16,6 +16,7 @@ from distdoctor.lint.analysis.devices import (
     selects_device_explicitly,
 )
 from distdoctor.lint.analysis.names import dotted
+from distdoctor.lint.analysis.scope import is_spawn
 from distdoctor.lint.rule import Example, Report, Rule
 
 HVD_INIT = "horovod.torch.init"
@@ -141,6 +142,32 @@ class MissingSetDevice(Rule):
     )
     valid = (
         Example(
+            # Each process is started by the project's own launcher with a command-line rank (no
+            # torchrun, no spawn here): that launcher may give each one GPU of its own, which this file
+            # cannot see.
+            """
+            import argparse
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # run_workers.sh starts one process per GPU, each seeing only its own: train.py --rank $i ...
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--rank", type=int, required=True)
+            parser.add_argument("--world-size", type=int, required=True)
+            parser.add_argument("--master", default="10.0.0.1:29500")
+            args = parser.parse_args()
+            dist.init_process_group("nccl", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world_size)
+            model = DDP(torch.nn.Linear(16, 4).cuda())
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            for step in range(100):
+                optimizer.zero_grad()
+                model(torch.randn(8, 16).cuda()).sum().backward()
+                optimizer.step()
+            """
+        ),
+        Example(
             # A process group of one process, written as such (world_size=1, rank=0): its current
             # device is its own.
             """
@@ -259,7 +286,7 @@ class MissingSetDevice(Rule):
             return  # (`init_process_group(..., world_size=1)`: one process, whose GPU 0 is its own)
         if not _initialises_here(ctx) or _external_setup(ctx) or any(word in ctx.source for word in OUTSIDE_PINNING):
             return
-        if selects_device_explicitly(ctx):
+        if selects_device_explicitly(ctx) or _started_by_own_launcher(ctx):
             return
         started = _initialising_traces(ctx)
         uses = [
@@ -270,13 +297,38 @@ class MissingSetDevice(Rule):
         if not uses:
             return
         _, call = min(uses, key=lambda item: item[0])
-        helper = "hvd.local_rank()" if ctx.uses_horovod else 'int(os.environ["LOCAL_RANK"])'
+        helper = "hvd.local_rank()" if any(True for _ in ctx.calls(HVD_INIT)) else 'int(os.environ["LOCAL_RANK"])'
         yield Report(
             call,
             f"`{_short(ctx.code(call))}` uses the current CUDA device, and no process ever selects its "
             f"own: every rank piles onto GPU 0. Call torch.cuda.set_device({helper}) right after "
             "initialising the process group (and pass device_ids to DDP).",
         )
+
+
+# Environment variables that carry the rank torchrun (or torch.distributed.launch) gives each
+# process; neither launcher sets CUDA_VISIBLE_DEVICES per process.
+_TORCHRUN_RANKS = frozenset({"RANK", "LOCAL_RANK"})
+
+
+def _started_by_own_launcher(ctx: LintContext) -> bool:
+    """Whether each process is started by the project's own launcher, which may well give it one
+    visible GPU (`CUDA_VISIBLE_DEVICES=$i python train.py --rank $i`): no Horovod, no workers
+    started by this file, and every `init_process_group` handed a rank that neither torchrun's
+    environment nor a spawn index provides (a command-line `--rank`, Slurm's SLURM_PROCID)."""
+    if any(True for _ in ctx.calls(HVD_INIT)) or any(is_spawn(q) or q.endswith(".Process") for q in ctx.called_qualnames):
+        return False
+    calls = list(ctx.calls(INIT_PROCESS_GROUP))
+    if not calls:
+        return False
+    for trace, step, call in calls:
+        rank = syntax.argument(call, 4, "rank")
+        if rank is None:
+            return False  # env:// reads RANK from torchrun
+        value = trace.value(rank, step)
+        if value is None or not value.is_rank_like or (value.origin == "env" and value.name in _TORCHRUN_RANKS):
+            return False
+    return True
 
 
 def _initialises_here(ctx: LintContext) -> bool:

@@ -225,28 +225,49 @@ def _moved_to_fixed_device(ctx: LintContext, trace: Trace, step: Step, expr: cst
     binding and `step` (`model.cuda(0)`), or further back through the names it was bound from."""
     node: cst.BaseExpression = expr
     while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        if node.func.attr.value in ("to", "cuda") and _moves_to_fixed(ctx, trace, step, node):
-            return node
+        if node.func.attr.value in ("to", "cuda"):
+            if _moves_to_fixed(ctx, trace, step, node):
+                return node
+            if _moves_to_own_device(ctx, trace, step, node):
+                return None  # `model = model.to(device)` with the per-process device: moved again
         node = node.func.value
     if depth >= MAX_DEPTH or not isinstance(node, (cst.Name, cst.Attribute)):
         return None
     text = dotted(node)
     found = ctx.binding(trace, step, node)
     start = found[0].index if found is not None else 0
-    for between in trace.steps[start : step.index]:
+    for between in reversed(trace.steps[start : step.index]):  # the last move decides
         if between.frame is not step.frame:
             continue
         for call in syntax.own_calls(between.node):
-            if (
-                isinstance(call.func, cst.Attribute)
-                and call.func.attr.value in ("to", "cuda")
-                and dotted(call.func.value) == text
-                and _moves_to_fixed(ctx, trace, between, call)
-            ):
-                return call
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda") and dotted(call.func.value) == text:
+                if _moves_to_fixed(ctx, trace, between, call):
+                    return call
+                if _moves_to_own_device(ctx, trace, between, call):
+                    return None
     if found is None:
         return None
     return _moved_to_fixed_device(ctx, trace, found[0], found[1], depth + 1)
+
+
+def _moves_to_own_device(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:
+    """`.cuda()`, `.cuda(local_rank)`, `.to(local_rank)`, `.to(device)` with `device =
+    torch.device(f"cuda:{local_rank}")`: a move to a device that is not one literal GPU."""
+    arg = syntax.argument(call, 0, "device")
+    if call.func.attr.value == "cuda":  # type: ignore[union-attr]
+        return arg is None or (not _is_integer(arg) and _fixed_index(ctx, trace, step, arg) is None)
+    if arg is None or _is_integer(arg) or _fixed_index(ctx, trace, step, arg) is not None:
+        return False
+    value = trace.value(arg, step)
+    if value is not None and value.is_rank_like:
+        return True
+    made = arg
+    if isinstance(arg, (cst.Name, cst.Attribute)):
+        found = ctx.binding(trace, step, arg)
+        made = found[1] if found is not None else arg
+    if isinstance(made, cst.Call) and ctx.qualname(made.func) == TORCH_DEVICE:
+        return True
+    return isinstance(made, cst.FormattedString) and "cuda" in ctx.code(made)
 
 
 def _moves_to_fixed(ctx: LintContext, trace: Trace, step: Step, call: cst.Call) -> bool:

@@ -57,6 +57,26 @@ class DDPModuleBypass(Rule):
 
     invalid = (
         Example(
+            # The wrapper is built and thrown away: the loop trains the plain model.
+            """
+            import torch
+            import torch.distributed as dist
+            import torchvision
+
+
+            def main(args, loader):
+                dist.init_process_group("nccl", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=args.world_size)
+                torch.cuda.set_device(args.local_rank)
+                model = torchvision.models.resnet50().cuda()
+                torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.local_rank])  # expect: DD102
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                for images, labels in loader:
+                    optimizer.zero_grad()
+                    torch.nn.functional.cross_entropy(model(images.cuda()), labels.cuda()).backward()
+                    optimizer.step()
+            """
+        ),
+        Example(
             # The wrapper stored on the instance from outside the class, bypassed inside a method.
             """
             import torch
@@ -337,9 +357,19 @@ class DDPModuleBypass(Rule):
 
 
 def _discarded_wrappers(ctx: LintContext) -> Iterable[Report]:
-    """`model = DistributedDataParallel(model, ...).module`: the wrapper is dropped the moment it is
-    built, so no forward can ever go through it."""
-    wrappers = {id(call) for _, _, call in ctx.calls(frameworks.DDP)}
+    """`model = DistributedDataParallel(model, ...).module`, or a bare `DistributedDataParallel(model)`
+    statement: the wrapper is dropped the moment it is built, so no forward can ever go through it."""
+    calls = [call for _, _, call in ctx.calls(frameworks.DDP)]
+    wrappers = {id(call) for call in calls}
+    if ctx.may_call_method("backward"):
+        for call in calls:
+            if isinstance(ctx.parent(call), cst.Expr):
+                yield Report(
+                    call,
+                    "the DistributedDataParallel wrapper built here is thrown away (its result is not assigned): "
+                    "training runs on the plain model, so gradients are never all-reduced and every rank trains "
+                    "its own copy. Keep it: `model = DistributedDataParallel(model, ...)`.",
+                )
     # The `.module` attributes of a wrapper call on the code path (looked up from the attributes,
     # not through a parent map of every node of the file).
     for node in ctx.nodes(cst.Attribute):

@@ -539,7 +539,7 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
                 continue
             deeper = other.loops[other.loops.index(loop) + 1 :]
             if deeper and not any(step.in_loop(nested) for nested in deeper):
-                if not _steps_inside(ctx, trace, deeper[0]):
+                if not _steps_inside(ctx, trace, deeper[0]) and not _breaks_after(ctx, other.node):
                     yield other, call
                 continue
             other_guards = {id(guard.test) for guard in other.guards}
@@ -547,6 +547,24 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
             if any(_periodic_guard(guard) for guard in extra) and step_guards - other_guards:
                 if not _stepped_at_once(ctx, trace, other, step, loop):
                     yield other, call
+
+
+def _breaks_after(ctx: LintContext, statement: cst.CSTNode) -> bool:
+    """Whether a `break` follows the backward's statement in its own block: the loop around it
+    runs the backward once and leaves (`while True: try: loss.backward(); break` / `except
+    RuntimeError: retry after an out-of-memory`), a retry, not a micro-batch loop."""
+    line = statement if isinstance(statement, cst.SimpleStatementLine) else ctx.parent(statement)
+    block = ctx.parent(line) if line is not None else None
+    if not isinstance(block, cst.IndentedBlock):
+        return False
+    body = list(block.body)
+    at = next((i for i, node in enumerate(body) if node is line), None)
+    if at is None:
+        return False
+    return any(
+        isinstance(later, cst.SimpleStatementLine) and any(isinstance(small, cst.Break) for small in later.body)
+        for later in body[at + 1 :]
+    )
 
 
 def _stepped_at_once(ctx: LintContext, trace: Trace, backward: Step, periodic: Step, loop: cst.CSTNode) -> bool:
