@@ -71,6 +71,21 @@ class RankAsDevice(Rule):
 
     invalid = (
         Example(
+            # FSDP places the model on `device_id`: the global rank there names a GPU the other nodes do
+            # not have.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from transformers import AutoModelForCausalLM
+
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+            model = AutoModelForCausalLM.from_pretrained("gpt2")
+            model = FSDP(model, device_id=rank)  # expect: DD002
+            """
+        ),
+        Example(
             # MASTER_ADDR pinned only in the fallback for a run without a launcher: the launched run
             # may span nodes.
             """

@@ -239,6 +239,83 @@ class AccumulationWithoutNoSync(Rule):
     )
     valid = (
         Example(
+            # The accumulation count is the constant 1: every iteration steps.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def train(model: DDP, optimizer, loader):
+                grad_step = 1  # no accumulation in this recipe
+                for it, (x, y) in enumerate(loader):
+                    loss = torch.nn.functional.mse_loss(model(x), y) / grad_step
+                    loss.backward()
+                    if (it + 1) % grad_step == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+
+
+            if __name__ == "__main__":
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                train(model, torch.optim.AdamW(model.parameters()), [(torch.randn(4, 8).cuda(), torch.randn(4, 1).cuda())])
+            """
+        ),
+        Example(
+            # Split into sub-batches of the size the loader already makes: one sub-batch, one backward
+            # per step (Horovod's example loads batch_size * batches_per_allreduce and does accumulate).
+            """
+            import argparse
+            import math
+            import os
+
+            import torch
+            import torch.distributed as dist
+            import torch.nn.functional as F
+            import torchvision
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--batch-size", type=int, default=32)
+            parser.add_argument("--epochs", type=int, default=90)
+            args = parser.parse_args()
+
+
+            def train(model, optimizer, loader, sampler):
+                for epoch in range(args.epochs):
+                    sampler.set_epoch(epoch)
+                    for data, target in loader:
+                        data, target = data.cuda(), target.cuda()
+                        optimizer.zero_grad()
+                        for i in range(0, len(data), args.batch_size):  # sub-batches of the loader's own size: one
+                            loss = F.cross_entropy(model(data[i:i + args.batch_size]), target[i:i + args.batch_size])
+                            loss.div_(math.ceil(len(data) / args.batch_size))
+                            loss.backward()
+                        optimizer.step()
+
+
+            def main():
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                dataset = torchvision.datasets.FakeData(transform=torchvision.transforms.ToTensor())
+                sampler = torch.utils.data.distributed.DistributedSampler(dataset)
+                loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+                model = DDP(torchvision.models.resnet50().cuda(), device_ids=[local_rank])
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * dist.get_world_size())
+                train(model, optimizer, loader, sampler)
+
+
+            if __name__ == "__main__":
+                main()
+            """
+        ),
+        Example(
             # Without accumulation (the `else` of `if accum > 1:`) every call steps.
             """
             import torch
@@ -539,14 +616,40 @@ def _accumulated_backwards(ctx: LintContext, trace: Trace, step: Step) -> Iterab
                 continue
             deeper = other.loops[other.loops.index(loop) + 1 :]
             if deeper and not any(step.in_loop(nested) for nested in deeper):
-                if not _steps_inside(ctx, trace, deeper[0]) and not _breaks_after(ctx, other.node):
+                if (
+                    not _steps_inside(ctx, trace, deeper[0])
+                    and not _breaks_after(ctx, other.node)
+                    and not _splits_into_one(ctx, deeper[0])
+                ):
                     yield other, call
                 continue
             other_guards = {id(guard.test) for guard in other.guards}
             extra = [guard for guard in step.guards if id(guard.test) not in other_guards]
-            if any(_periodic_guard(guard) for guard in extra) and step_guards - other_guards:
+            if any(_periodic_guard(guard) and not _every_iteration(trace, step, guard) for guard in extra) and step_guards - other_guards:
                 if not _stepped_at_once(ctx, trace, other, step, loop):
                     yield other, call
+
+
+def _splits_into_one(ctx: LintContext, loop: cst.CSTNode) -> bool:
+    """`for i in range(0, len(data), args.batch_size):` over batches the file's loaders make of
+    that same size (`DataLoader(..., batch_size=args.batch_size)`): the split yields one sub-batch,
+    one backward per step. Horovod's example loads `args.batch_size * batches_per_allreduce`."""
+    if not isinstance(loop, cst.For) or not isinstance(loop.iter, cst.Call) or names.dotted(loop.iter.func) != "range":
+        return False
+    args = loop.iter.args
+    if len(args) != 3 or not (isinstance(args[0].value, cst.Integer) and args[0].value.value == "0"):
+        return False
+    stop = args[1].value
+    if not (isinstance(stop, cst.Call) and names.dotted(stop.func) == "len"):
+        return False
+    size = ctx.code(args[2].value)
+    sizes = set()
+    for call in ctx.nodes(cst.Call):
+        if (names.dotted(call.func) or "").rsplit(".", 1)[-1] == "DataLoader":
+            given = syntax.argument(call, 1, "batch_size")
+            if given is not None:
+                sizes.add(ctx.code(given))
+    return sizes == {size}
 
 
 def _breaks_after(ctx: LintContext, statement: cst.CSTNode) -> bool:
@@ -596,6 +699,21 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
         if other.in_loop(loop)
         for call in syntax.own_calls(other.node)
     )
+
+
+def _every_iteration(trace: Trace, step: Step, guard) -> bool:
+    """`(it + 1) % grad_step == 0` where `grad_step = 1` is written in the file: every iteration
+    steps, nothing is accumulated."""
+    divisors = [
+        node.right for node in syntax.walk(guard.test) if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo)
+    ]
+    if not divisors:
+        return False
+    for divisor in divisors:
+        value = trace.value(divisor, step)
+        if value is None or value.kind != kinds.CONST or value.attrs.get("value") != 1:
+            return False
+    return True
 
 
 def _periodic_guard(guard) -> bool:

@@ -613,7 +613,12 @@ def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
     if isinstance(func, cst.Name):
         local = func.value in ctx.info.functions or func.value in ctx.info.classes
         return not local and func.value not in _BUILTIN_NAMES
+    if isinstance(func, cst.Attribute) and func.attr.value in _CONTAINER_METHODS:
+        return False  # `loaders.append(loader)`: stored for later, not iterated here
     return isinstance(func, cst.Attribute) and dotted(func.value) != "self"
+
+
+_CONTAINER_METHODS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "put", "put_nowait"})
 
 
 def _shuffling_sampler(value: Value | None) -> tuple[Value | None, Value | None]:
