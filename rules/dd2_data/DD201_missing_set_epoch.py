@@ -74,6 +74,31 @@ class MissingSetEpoch(Rule):
 
     invalid = (
         Example(
+            # Accelerate is imported but its Accelerator is never used (the line is commented out):
+            # nothing gives this sampler its epoch.
+            """
+            import torch
+            import torch.distributed as dist
+            from accelerate import Accelerator
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler
+
+
+            def main(args, dataset, model):
+                dist.init_process_group("nccl")
+                sampler = DistributedSampler(dataset, shuffle=True)
+                loader = DataLoader(dataset, sampler=sampler, batch_size=32)
+                # accelerator = Accelerator()  (tried once, the plain loop is used instead)
+                model = DDP(model.cuda())
+                optimizer = torch.optim.AdamW(model.parameters())
+                for epoch in range(args.epochs):  # expect: DD201
+                    for batch in loader:
+                        optimizer.zero_grad()
+                        model(batch.cuda()).mean().backward()
+                        optimizer.step()
+            """
+        ),
+        Example(
             # set_epoch called once, where the loader is built.
             """
             import torch
@@ -448,7 +473,7 @@ class MissingSetEpoch(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if ctx.imports.imports_any(frameworks.CALLS_SET_EPOCH) or not ctx.may_call(*frameworks.SAMPLER_QUALS):
+        if _framework_in_use(ctx, frameworks.CALLS_SET_EPOCH) or not ctx.may_call(*frameworks.SAMPLER_QUALS):
             return
         set_epochs = _set_epoch_calls(ctx)
         if any(receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER) for receiver, _, _ in set_epochs):
@@ -517,6 +542,31 @@ class MissingSetEpoch(Rule):
                     if _looks_like_eval(loader, sampler, expr):
                         continue
                     yield trace, step, sampler, loader
+
+
+# The objects through which those frameworks run a loop, whatever module made them.
+_FRAMEWORK_HANDLES = frozenset({"accelerator", "Accelerator", "trainer", "Trainer", "fabric", "Fabric", "engine", "Engine"})
+
+
+def _framework_in_use(ctx: LintContext, modules: tuple[str, ...]) -> bool:
+    """Whether a framework that gives its samplers the epoch (Accelerate, Lightning, ...) is
+    imported and its imported names are used beyond the import: an `Accelerator` whose only
+    use was commented out trains nothing."""
+    if not ctx.imports.imports_any(modules):
+        return False
+    local = {
+        name for name, qual in ctx.imports.aliases.items()
+        if any(qual == m or qual.startswith(m + ".") for m in modules)
+    }
+    for node in ctx.nodes(cst.Name):
+        if node.value not in _FRAMEWORK_HANDLES and node.value not in local:
+            continue
+        if not isinstance(ctx.parent(node), (cst.ImportAlias, cst.AsName)):
+            return True  # used, or `trainer.fit(model, loader)` with a trainer made elsewhere
+    for node in ctx.nodes(cst.Attribute):  # `import pytorch_lightning` then `pytorch_lightning.Trainer()`
+        if isinstance(node.value, cst.Name) and node.value.value in local and not isinstance(ctx.parent(node), cst.ImportAlias):
+            return True
+    return False
 
 
 def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
