@@ -62,6 +62,8 @@ def project(tmp_path: Path) -> Path:
         ("requirements.txt", "torch>=1.8,<2.0\n"),
         ("setup.sh", "conda install pytorch=1.8 torchvision -c pytorch\n"),
         ("Dockerfile", "FROM pytorch/pytorch:1.9.0-cuda11.1-cudnn8-runtime\n"),
+        ("requirements.txt", "torchaudio==0.10.1\n"),  # built for torch 1.10.1
+        ("requirements.txt", "torch\ntorchvision==0.11.2\n"),  # built for torch 1.10
     ],
 )
 def test_a_torch_1_pin_silences_dd004(project, name, text):
@@ -76,7 +78,8 @@ def test_a_torch_1_pin_silences_dd004(project, name, text):
         ("requirements.txt", "torch>=1.6\n"),  # a floor admits 2.x
         ("requirements.txt", "torch==2.1.0\n"),
         ("README.md", "Tested with PyTorch 1.13 and PyTorch 2.1.\n"),  # 2.x beside 1.x
-        ("requirements.txt", "torchvision==0.10.0\n"),  # not torch's version
+        ("requirements.txt", "torchvision>=0.10.0\n"),  # a floor of a companion says nothing
+        ("requirements.txt", "torchvision==0.16.0\n"),  # built for torch 2.1
         ("requirements.txt", "torch>=1.8,<3\n"),  # the range admits 2.x
         ("Dockerfile", "FROM nvcr.io/nvidia/pytorch:23.10-py3\n"),  # a container release, not torch's
         ("requirements.txt", "# see https://pytorch.org\ntorch\n"),

@@ -10,7 +10,8 @@ from the file, whose dependency files mention torch: requirements*.txt, environm
 setup.cfg, pyproject.toml, setup*.sh/install*.sh (`conda install pytorch=1.8`), Dockerfile
 (`FROM pytorch/pytorch:1.9.0-...`), and in the same folder a README when none of those names torch. Only
 text is read, never executed. A pin (`torch==1.9.0`, `pytorch=1.7.0`, `torch~=1.8.1`, `torch<2`,
-prose such as `PyTorch 1.8.1`) gives the release; a floor (`torch>=1.6`) admits 2.x and gives
+prose such as `PyTorch 1.8.1`, or an exact pin of torchvision or torchaudio, which are built for one
+torch release) gives the release; a floor (`torch>=1.6`) admits 2.x and gives
 none, and so does any mention of 2.x or later beside a 1.x pin. When nothing decides, the result is
 None and rules assume a current PyTorch.
 """
@@ -143,7 +144,18 @@ def _mentions(path: str) -> list[tuple[str, int, int, str]]:
         cap = _CAP.match(text, m.end())
         if cap is not None:
             found.append((cap.group("op"), int(cap.group("major")), int(cap.group("minor") or 0), f"{name}: {m.group(0).strip()}{cap.group(0)}"))
+    for m in _COMPANION.finditer(text):
+        # `torchvision==0.11.1` / `torchaudio==0.10.1` are built for one torch release: 1.x up to
+        # torchvision 0.14 / torchaudio 0.13, 2.x after.
+        package, major, minor = m.group("package").lower(), int(m.group("major")), int(m.group("minor"))
+        before_2 = major == 0 and minor <= (14 if package == "torchvision" else 13)
+        found.append(("==", 1 if before_2 else 2, 0, f"{name}: {m.group(0).strip()} (built for torch {'1.x' if before_2 else '2.x'})"))
     return found
+
+
+_COMPANION = re.compile(
+    r"(?i)(?<![\w.-])(?P<package>torchvision|torchaudio)[ \t]*(==|~=|=)[ \t]*v?(?P<major>\d+)\.(?P<minor>\d+)"
+)
 
 
 def _decide(mentions: list[tuple[str, int, int, str]]) -> TorchTarget | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterable
 
 import libcst as cst
@@ -205,6 +207,38 @@ class DDPModuleBypass(Rule):
         ),
     )
     valid = (
+        Example(
+            # The model read past its wrapper is a frozen CLIP: the only optimizer trains the generator,
+            # whose gradients go through its own wrapper.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def train(generator, model, loader, optimizer):
+                model.eval()
+                for images, tokens in loader:
+                    text = model.module.encode_text(tokens.cuda())  # the frozen CLIP, read past its wrapper
+                    noise = generator(text)
+                    loss = -torch.nn.functional.cosine_similarity(model.module.encode_image(images.cuda() + noise), text).mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+
+
+            def main(clip, generator, loader):
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(clip.cuda(), device_ids=[local_rank])
+                generator = DDP(generator.cuda(), device_ids=[local_rank])
+                optimizer = torch.optim.Adam(generator.parameters(), lr=1e-3)
+                train(generator, model, loader, optimizer)
+            """
+        ),
         Example(
             # The wrapper is stored on the instance from outside the class (`trainer.model =
             # DDP(trainer.model)`): the methods called afterwards see it as `self.model`.
@@ -413,6 +447,16 @@ def _method_bypass(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, w
         return None
     if _freezes_parameters(ctx):
         return None  # the method may run only frozen parts (a CLIP text tower): nothing to all-reduce
+    names = {dotted(call.func.value.value) or "", wrapper.name or ""}  # type: ignore[union-attr]
+    if isinstance(wrapper.node, cst.Call):
+        # The wrapper as its builder named it (`policy_net = DDP(policy_net)`), wherever it is
+        # called `model` later.
+        names.add(ctx.code(syntax.argument(wrapper.node, 0, "module") or wrapper.node))
+        assign = ctx.parent(wrapper.node)
+        if isinstance(assign, cst.Assign):
+            names.update(dotted(target.target) or "" for target in assign.targets)
+    if _optimised_elsewhere(ctx, {name for name in names if name}):
+        return None  # the optimizers train other models (a generator): this wrapper's model is frozen
     loop = step.loops[-1]
     for other in trace.steps:
         if other.in_loop(loop):
@@ -428,6 +472,20 @@ def _method_bypass(ctx: LintContext, trace: Trace, step: Step, call: cst.Call, w
         f"gradients are never all-reduced and the replicas drift apart. Route the step through the "
         f"wrapper's forward (`{holder}(batch)` calling `{method}` inside `forward`).",
     )
+
+
+def _optimised_elsewhere(ctx: LintContext, names: set[str]) -> bool:
+    """Whether the file builds optimizers and none of them is given the parameters of the
+    wrapper or its module, under any of `names` (`Adam(generator.parameters())` while the
+    bypassed `model` is a frozen CLIP)."""
+    built = [
+        call for call in ctx.nodes(cst.Call)
+        if (ctx.qualname(call.func) or "").startswith("torch.optim.") and ".lr_scheduler" not in (ctx.qualname(call.func) or "")
+    ]
+    if not built or not names:
+        return False
+    word = re.compile("|".join(rf"(?<![\w.]){re.escape(name)}(?!\w)" for name in sorted(names)))
+    return not any(call.args and word.search(ctx.code(call.args[0].value)) for call in built)
 
 
 def _freezes_parameters(ctx: LintContext) -> bool:
