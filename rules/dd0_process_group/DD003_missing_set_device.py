@@ -21,7 +21,7 @@ from distdoctor.lint.rule import Example, Report, Rule
 
 HVD_INIT = "horovod.torch.init"
 # Launch helpers of other modules (`utils.init_distributed_mode(args)`) usually pick the device.
-SETUP_HELPER = re.compile(r"(init|setup|set_?up).*(dist|device|gpu|ddp|cuda|process|env)|set_device", re.IGNORECASE)
+SETUP_HELPER = re.compile(r"(init|setup|set_?up).*(dist|device|gpu|ddp|cuda|process|env|backend)|set_device", re.IGNORECASE)
 # The device may be pinned from outside: one visible GPU per task.
 # Where the device is pinned outside the script, or each process runs on its own machine
 # (SageMaker's `current_host` among `hosts`).
@@ -141,6 +141,34 @@ class MissingSetDevice(Rule):
         ),
     )
     valid = (
+        Example(
+            # The process group and the device are set up by a helper of another package
+            # (`initialize_backends(...)`), as its name says.
+            """
+            import torch
+            import torch.distributed as dist
+            from benchlib.pytorch import initialize_backends
+
+            try:
+                import horovod.torch as hvd
+            except ImportError:
+                hvd = None
+
+
+            def measure(size, use_horovod):
+                tensor = torch.rand(size).cuda()
+                if use_horovod:
+                    hvd.init()
+                    return hvd.allreduce(tensor)
+                dist.all_reduce(tensor)
+                return tensor
+
+
+            if __name__ == "__main__":
+                with initialize_backends(comm_backend="nccl", use_cuda=True) as (rank, world_size):
+                    measure(1 << 20, use_horovod=hvd is not None)
+            """
+        ),
         Example(
             # Each process is started by the project's own launcher with a command-line rank (no
             # torchrun, no spawn here): that launcher may give each one GPU of its own, which this file
