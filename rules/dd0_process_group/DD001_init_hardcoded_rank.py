@@ -39,8 +39,9 @@ class InitHardcodedRank(Rule):
       `mp.spawn`/`multiprocessing` starts the workers here.
 
     Silent for `mp.spawn` workers, whose rank is the spawn index and whose world size is the
-    number of processes they spawned on this machine, and for single-process groups
-    (`rank=0, world_size=1`, as in tests).
+    number of processes they spawned on this machine (DGL's `dgl.multiprocessing` is torch's), for
+    single-process groups (`rank=0, world_size=1`, as in tests), and for the `"fake"` backend
+    (one process tracing the collectives of a larger job, as torchtitan's precompile step does).
 
     ## Why is this bad?
     Rendezvous waits until `world_size` distinct ranks have joined. With a literal rank every

@@ -48,7 +48,10 @@ class MissingSetDevice(Rule):
     and for current-device calls that run on rank 0 only. The process group must surely run NCCL
     (`backend="nccl"`, or no backend): a backend the user chooses (`backend=args.backend`, gloo
     by default) is the mark of examples run one process per pod or host (Kubeflow's PyTorchJob,
-    SageMaker's `current_host`), where `"cuda"` is the process's only GPU.
+    SageMaker's `current_host`), where `"cuda"` is the process's only GPU. Silent too when each
+    process is started by the project's own launcher with a rank from the command line or Slurm
+    (`init_process_group(init_method=..., rank=args.rank, ...)`, no torchrun environment, no
+    `mp.spawn` here, no Horovod): such launchers often give each process one visible GPU.
 
     ## Why is this bad?
     Every process starts with GPU 0 as its current device. Without `set_device`, all ranks of a

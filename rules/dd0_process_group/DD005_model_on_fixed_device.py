@@ -26,7 +26,9 @@ class ModelOnFixedDevice(Rule):
     at the move.
 
     Silent when the script sets `CUDA_VISIBLE_DEVICES` itself (then every process sees its own GPU
-    as `cuda:0`), when the wrap names literal devices too, and under a rank condition.
+    as `cuda:0`), when the wrap names literal devices too, under a rank condition, and when a
+    later move before the wrap puts the model on the process's own device (`model =
+    model.to(torch.device(f"cuda:{local_rank}"))`): the last move decides.
 
     ## Why is this bad?
     `cuda:0` is the same GPU for every process of a node. On rank 1, DDP is asked to run on

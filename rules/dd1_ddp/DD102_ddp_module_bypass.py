@@ -23,8 +23,10 @@ class DDPModuleBypass(Rule):
     (`ddp_model.module(x)`, or `net(x)` where `net` was wrapped by `DDP(net)`) whose result
     reaches `backward()`, a training step that computes its loss with a method of the inner
     module (`ddp.module.train_step(batch)`) and never calls the wrapper (unless the file freezes
-    parameters: the method may run only frozen parts), and a wrapper dropped as soon as it is
-    built (`model = DDP(model, device_ids=[i]).module`). Forwards under `torch.no_grad()` /
+    parameters, or its optimizers are all given other models' parameters: the method may run only
+    frozen parts, a CLIP beside a trained generator), and a wrapper dropped as soon as it is
+    built (`model = DDP(model, device_ids=[i]).module`, or a bare `DDP(model)` statement whose
+    result nothing keeps). Forwards under `torch.no_grad()` /
     `inference_mode()` and forwards whose result never reaches a backward pass (evaluation,
     logging, EMA) stay silent.
 

@@ -30,7 +30,11 @@ class AccumulationWithoutNoSync(Rule):
     points at the backward call. The loss scaler of MAE and the code built on it (Swin, ConvNeXt,
     DUSt3R, ...) counts as both: `loss_scaler(loss, optimizer, update_grad=(i + 1) % accum == 0)`
     runs the backward on every call and steps only when `update_grad` is true; it is silent where
-    the count is at most 1 (the `else` of `if accum > 1:`).
+    the count is at most 1 (the `else` of `if accum > 1:`). Not accumulation either: a count that
+    is the constant 1 (`grad_step = 1` then `if (it + 1) % grad_step == 0:`), a loop that
+    retries the backward after an out-of-memory error and breaks out once it succeeds, and a
+    split into sub-batches of the size the file's loaders already make (`for i in range(0,
+    len(data), args.batch_size)` over `DataLoader(..., batch_size=args.batch_size)`).
 
     ## Why is this bad?
     DDP all-reduces the gradients in every backward pass it sees. With accumulation only the last

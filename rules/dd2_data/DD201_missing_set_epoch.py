@@ -26,7 +26,11 @@ class MissingSetEpoch(Rule):
     gives the sampler one epoch for good counts as none, and the finding points at it: one
     called once, outside every loop (`sampler.set_epoch(cfg["epochs"])` where the loader is
     built), or inside the loop with a literal or a name the loop never binds
-    (`sampler.set_epoch(num_epochs)`).
+    (`sampler.set_epoch(num_epochs)`). Silent when a framework that calls `set_epoch` itself runs
+    the loop (Accelerate, Lightning, Composer, Ignite: imported and used, or a `trainer`,
+    `accelerator`, `fabric` or `engine` object in the code; an import whose only use was commented
+    out counts as none), and when a loop only collects loaders (`loaders.append(loader)` over the
+    dataset configs) rather than iterating them.
 
     ## Why is this bad?
     `DistributedSampler` seeds its shuffle with `seed + epoch`. Without `set_epoch`, the epoch

@@ -55,6 +55,9 @@ class MissingDistributedSampler(Rule):
     - the loader is never seen feeding a loop that calls `backward()`, or only through `next()`
       in a step-counted loop (nanoGPT style: no epochs, and the source is often a random or
       streaming dataset of another module, which this file cannot see);
+    - the dataset is made-up data by its class's name (`FakeDataset(n)`, `SyntheticImages(...)`,
+      `torchvision.datasets.FakeData`, a `RandomDataset`): there is no data to split;
+    - the only FSDP wrap sits in a helper the script never calls (its call commented out);
     - the loader is built in a trial-run branch (`if args.mini_run:`, `if debug:`) while the same
       loader variable is built elsewhere in the file with a sampler that shards by rank (given
       `num_replicas=`/`rank=`, or a `DistributedSampler`): the real run is sharded.

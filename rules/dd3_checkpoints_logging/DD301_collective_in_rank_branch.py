@@ -60,8 +60,10 @@ class CollectiveInRankBranch(Rule):
     (`if torch.isnan(loss): continue` before `loss.backward()`, `if math.isfinite(loss.item()):`
     around an `all_reduce`). A rank that meets a NaN skips what the others join. Silent when the
     value was made equal on every rank first (its name says reduced or global, it comes from a
-    reducing helper, or it was handed to a collective) and when the check raises (the launcher
-    then stops every rank).
+    reducing helper, or it was handed to a collective), when the check raises (the launcher
+    then stops every rank), when the checked name is a parameter with a numeric default (a
+    setting such as `norm_type=2.0`, alike on every rank), and when the other branch of the check
+    makes the same collective (`if math.isinf(p): all_reduce(MAX) else: all_reduce(SUM)`).
 
     A `break` (or a `return` out of the loop's own function) under a rank condition inside a
     loop that makes such a call splits the ranks too: early stopping decided on rank 0

@@ -110,7 +110,10 @@ class UnguardedCheckpointSave(Rule):
     the user picks, `backend=args.backend`, and no device selected per process: one process per
     pod, each writing into its own container). Jobs that can only run on one machine
     (MASTER_ADDR pinned to it, a rendezvous at `tcp://127.0.0.1`) make a local-rank guard a
-    global one.
+    global one. A save inside `with tune.checkpoint_dir(...) as folder:` writes the folder Ray gives
+    each trial, and a save in the single-process branch of a flag read from a configuration
+    mapping (`if cfg["horovod"]: ... else: torch.save(...)`, the flag that starts Horovod) runs in
+    one process.
 
     A condition that mixes a rank test with another test is read as Python reads it: in
     `if is_main and step % k == 0 or step in milestones:` the rank test covers only the `and`,
