@@ -26,7 +26,8 @@ class MetricNotReduced(Rule):
     """
     ## What it does
     Flags a value computed in an evaluation loop (no `backward()`) over a `DataLoader` whose
-    sampler is a `DistributedSampler`, then printed or logged under a rank-0 condition, when no
+    sampler is a `DistributedSampler`, then printed or logged (`print`, a logger, TensorBoard,
+    `wandb.log`, a progress bar's `write`) under a rank-0 condition, when no
     collective (`all_reduce`, `all_gather`, `reduce`, `hvd.allreduce`, ...) and no helper whose
     name says it reduces (`reduce_tensor`, `dist_sum`, `synchronize_between_processes`,
     `metric.compute()`, `accelerator.gather`) runs in the loop (batch by batch) or between the
@@ -70,6 +71,26 @@ class MetricNotReduced(Rule):
     )
 
     invalid = (
+        Example(
+            # Reported through the progress bar (`pbar.write`) on rank 0: still one rank's shard.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+            from tqdm import tqdm
+
+
+            def evaluate(model, valid_set, step, pbar):
+                loader = DataLoader(valid_set, batch_size=8, sampler=DistributedSampler(valid_set))
+                valid_loss = 0.0
+                with torch.no_grad():
+                    for batch in loader:
+                        valid_loss += model(batch.cuda()).mean().item()
+                valid_loss /= len(loader)
+                if dist.get_rank() == 0:
+                    pbar.write(f"step {step}: valid_loss {valid_loss:.4f}")  # expect: DD306
+            """
+        ),
         Example(
             """
             import dgl
@@ -445,5 +466,9 @@ def _is_report(ctx: LintContext, call: cst.Call) -> bool:
     if isinstance(func, cst.Attribute):
         if func.attr.value in LOG_METHODS:
             return True
+        if func.attr.value == "write":
+            # A progress bar's own output line: `pbar.write(...)`, `tqdm.write(...)`.
+            receiver = (dotted(func.value) or "").rsplit(".", 1)[-1].lower()
+            return receiver == "tqdm" or "pbar" in receiver or receiver.endswith("bar")
         return dotted(func) in ("wandb.log",)
     return False
