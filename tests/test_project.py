@@ -145,3 +145,90 @@ def test_the_cache_follows_the_pin(project):
     assert codes(project) == []
     (project / "requirements.txt").write_text("torch==2.3.0\n")
     assert codes(project) == ["DD004"]
+
+
+# --- loaders built by the project's own helpers (distdoctor.lint.siblings) ------------------------
+HELPER = textwrap.dedent(
+    """
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+
+    def build_loaders(train_set, val_set, batch_size):
+        sampler = DistributedSampler(train_set{shuffle})
+        train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
+        val_loader = DataLoader(val_set, batch_size=batch_size)
+        return train_loader, val_loader
+    """
+)
+TRAIN = textwrap.dedent(
+    """
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from {module} import build_loaders
+
+
+    def main(train_set, val_set, epochs):
+        dist.init_process_group("nccl")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_loader, val_loader = build_loaders(train_set, val_set, 32)
+        for epoch in range(epochs):
+            {set_epoch}
+            for x, y in {loader}:
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                optimizer.step()
+    """
+)
+
+
+def helper_project(tmp_path: Path, *, shuffle="", set_epoch="pass", loader="train_loader", module="data.loader", helper_extra="") -> Path:
+    (tmp_path / ".git").mkdir(exist_ok=True)
+    (tmp_path / "src" / "data").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "src" / "data" / "__init__.py").write_text("")
+    (tmp_path / "src" / "data" / "loader.py").write_text(HELPER.format(shuffle=shuffle) + helper_extra)
+    (tmp_path / "src" / "train.py").write_text(TRAIN.format(module=module, set_epoch=set_epoch, loader=loader))
+    return tmp_path
+
+
+def test_a_loader_from_a_project_helper_without_set_epoch_is_dd201(tmp_path):
+    project = helper_project(tmp_path)
+    assert codes(project, "--select", "DD201") == ["DD201"]
+    old = os.getcwd()
+    os.chdir(project)
+    try:
+        result = CliRunner().invoke(main, ["lint", "--select", "DD201", "src/train.py"])
+    finally:
+        os.chdir(old)
+    assert "build_loaders()" in result.output and "data/loader.py" in result.output
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"set_epoch": "train_loader.sampler.set_epoch(epoch)"},  # the script sets the epoch
+        {"shuffle": ", shuffle=False"},  # the helper's sampler does not shuffle
+        {"loader": "val_loader"},  # the evaluation loader has no such sampler
+        {"helper_extra": "\n\ndef start(loader, epoch):\n    loader.sampler.set_epoch(epoch)\n"},  # the module sets epochs
+    ],
+)
+def test_dd201_through_a_helper_stays_silent_when_the_epoch_is_set_or_not_needed(tmp_path, change):
+    assert codes(helper_project(tmp_path, **change), "--select", "DD201") == []
+
+
+def test_a_relative_import_finds_the_helper_beside_the_file(tmp_path):
+    project = helper_project(tmp_path, module=".data.loader")
+    assert codes(project, "--select", "DD201") == ["DD201"]
+
+
+def test_the_cache_follows_the_helper_module(tmp_path):
+    project = helper_project(tmp_path)
+    (project / "pyproject.toml").write_text("[tool.distdoctor]\ncache = true\n")
+    assert codes(project, "--select", "DD201") == ["DD201"]
+    (project / "src" / "data" / "loader.py").write_text(HELPER.format(shuffle=", shuffle=False"))
+    assert codes(project, "--select", "DD201") == []

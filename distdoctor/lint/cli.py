@@ -167,7 +167,7 @@ def _lint_stdin(name, rules, config, fix, diff, show: _Show) -> int:
             return EXIT_FINDINGS if fixed != source else EXIT_CLEAN
         sys.stdout.write(fixed)  # like ruff: the fixed text goes to stdout
         return EXIT_CLEAN
-    result = lint_source(source, name, rules, project=config.project_for(name))
+    result = lint_source(source, name, rules, project=config.project_for(name, source))
     ignored = config.ignored_for(name)
     findings = [f for f in result.findings if not any(f.code.startswith(c) for c in ignored)]
     findings = _with_unused_noqa(findings, result.unused_noqa, show)

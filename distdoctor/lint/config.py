@@ -45,10 +45,11 @@ class Config:
     cache: bool = True
     target_torch: TorchTarget | None = None  # `target-torch`; else read from the project's pins
 
-    def project_for(self, path: str | os.PathLike[str]) -> ProjectFacts:
-        """What `path`'s project says outside Python; the PyTorch release is `target-torch` when
-        that is set, else the project's pin."""
-        return project_facts(path, self.target_torch)
+    def project_for(self, path: str | os.PathLike[str], source: str | None = None) -> ProjectFacts:
+        """What `path`'s project says outside the file (`source`, its text, names the project
+        modules it imports); the PyTorch release is `target-torch` when that is set, else the
+        project's pin."""
+        return project_facts(path, self.target_torch, source)
 
     def merged(self, **cli: object) -> Config:
         """The command line beats the file: given options replace the file's."""

@@ -98,7 +98,8 @@ def lint_source(source: str, path: str, rules: Sequence[Rule], *, project: Proje
     """Findings of `rules` in `source`, after `# noqa` suppression. Never raises: a file that
     cannot be parsed is a DD000 finding, a failure inside the engine or a rule a DD000 finding that
     says so; the other files of a run are not affected. `project`: what the file's project says
-    outside Python (`Config.project_for`: the PyTorch release it targets), None for
+    outside the file (`Config.project_for`: the PyTorch release it targets, the loaders its
+    project's helpers build), None for
     nothing."""
     try:
         with warnings.catch_warnings():
@@ -116,6 +117,8 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule], project: ProjectFa
         if large is not None:
             return FileResult(path, (_dd000(path, large, 1, 1),))
         words = code_words(source)
+        if project is not None and project.loader_helpers:
+            words |= {"DistributedSampler"}  # made by a helper of the project the file calls
         rules = [rule for rule in rules if rule.applies(words)] if not CODE_NAMES.isdisjoint(words) else []
     else:
         rules = []
@@ -761,7 +764,7 @@ def lint(
             # Not UTF-8 text, or a notebook that is not one: like a syntax error, a finding.
             results.append(FileResult(shown, (_unreadable_finding(shown, exc),)))
             continue
-        project = config.project_for(file)
+        project = config.project_for(file, source)
         key = _cache_key(source, codes, project) if cache.folder is not None else ""  # no hash without a cache
         cached = cache.get(key, shown)
         if cached is not None:

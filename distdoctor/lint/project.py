@@ -22,6 +22,9 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+
+from distdoctor.lint.siblings import LoaderHelper, loader_helpers
+from distdoctor.lint.siblings import forget as forget_siblings
 from pathlib import Path
 
 # The folders looked at, upward from a file: a project rarely nests deeper than this.
@@ -48,15 +51,23 @@ class ProjectFacts:
     """What the linted file's project says outside Python."""
 
     torch: TorchTarget | None = None  # the PyTorch release it targets; None: a current one
+    # Functions of the project's own modules that return a loader over a shuffling
+    # DistributedSampler (distdoctor.lint.siblings).
+    loader_helpers: tuple[LoaderHelper, ...] = ()
 
     def key(self) -> str:
         """What the lint cache keys on."""
-        return self.torch.key() if self.torch else ""
+        torch = self.torch.key() if self.torch else ""
+        return "|".join([torch, *(helper.key() for helper in self.loader_helpers)])
+
+    def loader_helper(self, name: str) -> LoaderHelper | None:
+        return next((helper for helper in self.loader_helpers if helper.name == name), None)
 
 
-def project_facts(file: str | os.PathLike[str], torch: TorchTarget | None = None) -> ProjectFacts:
-    """The facts of `file`'s project; `torch` (from the configuration) replaces the pins read."""
-    return ProjectFacts(torch if torch is not None else torch_target(file))
+def project_facts(file: str | os.PathLike[str], torch: TorchTarget | None = None, source: str | None = None) -> ProjectFacts:
+    """The facts of `file`'s project; `torch` (from the configuration) replaces the pins read;
+    `source`, the file's text, names the project modules it imports."""
+    return ProjectFacts(torch if torch is not None else torch_target(file), loader_helpers(file, source))
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class TorchTarget:
 def forget() -> None:
     """Drop what was read of the folders: a new run reads the files as they are now."""
     _folder_target.cache_clear()
+    forget_siblings()
 
 
 def parse_version(text: str, source: str) -> TorchTarget | None:

@@ -32,6 +32,12 @@ class MissingSetEpoch(Rule):
     out counts as none), and when a loop only collects loaders (`loaders.append(loader)` over the
     dataset configs) rather than iterating them.
 
+    A loader made by a helper of the project's own modules counts too (`train_loader, val_loader =
+    build_loaders(cfg)` with `build_loaders` in `data/loader.py`): the helper's module is read, never
+    imported, and when the helper itself builds the loader over a shuffling `DistributedSampler`
+    and returns it, an epoch loop over it in a file that never calls `set_epoch` and never hands
+    the loader to code it cannot see is reported (see `distdoctor.lint.siblings`).
+
     ## Why is this bad?
     `DistributedSampler` seeds its shuffle with `seed + epoch`. Without `set_epoch`, the epoch
     stays 0, so every epoch visits the samples in the same order on every rank: the shuffle the
@@ -477,7 +483,10 @@ class MissingSetEpoch(Rule):
     )
 
     def check(self, ctx: LintContext) -> Iterable[Report]:
-        if _framework_in_use(ctx, frameworks.CALLS_SET_EPOCH) or not ctx.may_call(*frameworks.SAMPLER_QUALS):
+        if _framework_in_use(ctx, frameworks.CALLS_SET_EPOCH):
+            return
+        yield from _helper_loaders_without_set_epoch(ctx)
+        if not ctx.may_call(*frameworks.SAMPLER_QUALS):
             return
         set_epochs = _set_epoch_calls(ctx)
         if any(receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER) for receiver, _, _ in set_epochs):
@@ -550,6 +559,83 @@ class MissingSetEpoch(Rule):
 
 # The objects through which those frameworks run a loop, whatever module made them.
 _FRAMEWORK_HANDLES = frozenset({"accelerator", "Accelerator", "trainer", "Trainer", "fabric", "Fabric", "engine", "Engine"})
+
+
+def _helper_loaders_without_set_epoch(ctx: LintContext) -> Iterator[Report]:
+    """Epoch loops over a loader that a helper of the project's own modules returns over a
+    shuffling DistributedSampler (`train_loader = build_loader(cfg)`, the helper read in its
+    module, see distdoctor.lint.siblings), in a file that never calls `set_epoch` and never
+    hands the loader to code it cannot see."""
+    if not ctx.project.loader_helpers or "set_epoch" in ctx.source:
+        return
+    reported: set[int] = set()
+    for trace in ctx.traces:
+        for step in trace.steps:
+            if not isinstance(step.node, cst.For) or not step.loops:
+                continue  # the draw must sit inside another loop: the epoch loop
+            loop = step.loops[-1]
+            if id(loop) in reported:
+                continue
+            found = _helper_loader(ctx, trace, step, _unwrap_iter(step.node.iter))
+            if found is None:
+                continue
+            name, helper = found
+            if _handed_away_in(ctx, trace, loop, name):
+                continue
+            reported.add(id(loop))
+            epoch = loop.target.value if isinstance(loop, cst.For) and isinstance(loop.target, cst.Name) else "epoch"
+            anchor = loop.iter if isinstance(loop, cst.For) else loop.test
+            yield Report(
+                anchor,
+                f"`{name}` comes from `{helper.name}()` ({helper.module}), which builds it over a shuffling "
+                f"DistributedSampler, but set_epoch() is never called: every epoch repeats the same order. "
+                f"Call `{name}.sampler.set_epoch({epoch})` at the start of this loop.",
+            )
+
+
+def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression):
+    """(the loader's name, the helper) when `expr` is a loader a project helper returned."""
+    if isinstance(expr, cst.Call):
+        helper = ctx.project.loader_helper(dotted(expr.func) or "")
+        return (ctx.code(expr), helper) if helper is not None and helper.position is None else None
+    if not isinstance(expr, cst.Name):
+        return None
+    for earlier in reversed(trace.steps[: step.index]):
+        node = earlier.node
+        if earlier.frame is not step.frame or not isinstance(node, cst.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0].target
+        if isinstance(target, cst.Name):
+            if target.value != expr.value:
+                continue
+            position = None
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            names = [element.value.value if isinstance(element.value, cst.Name) else None for element in target.elements]
+            if expr.value not in names:
+                continue
+            position = names.index(expr.value)
+        else:
+            continue
+        made = node.value
+        helper = ctx.project.loader_helper(dotted(made.func) or "") if isinstance(made, cst.Call) else None
+        if helper is None or helper.position != position:
+            return None
+        return expr.value, helper
+    return None
+
+
+def _handed_away_in(ctx: LintContext, trace: Trace, loop: cst.CSTNode, name: str) -> bool:
+    """Whether the loop gives the loader (or its sampler) to a call it cannot follow."""
+    for other in trace.steps:
+        if not other.in_loop(loop):
+            continue
+        for call in syntax.own_calls(other.node):
+            if _hands_loader_away(ctx, call) and any(
+                isinstance(arg.value, (cst.Name, cst.Attribute)) and (dotted(arg.value) or "").split(".")[0] == name
+                for arg in call.args
+            ):
+                return True
+    return False
 
 
 def _framework_in_use(ctx: LintContext, modules: tuple[str, ...]) -> bool:

@@ -1,0 +1,225 @@
+"""What the project's own modules, imported by a linted file, build for it: read, never run.
+
+A training script often gets its loader from a helper of its project (`from data import
+build_loader`), and the sampler that helper makes decides whether the script must call
+`set_epoch`. The file alone cannot say. This module finds, among the functions a file imports from
+its project, those that return a `DataLoader` over a shuffling `DistributedSampler` made in the
+helper itself ("loader helpers"), so that DD201 can read `loader = build_loader(...)` as what it is.
+
+The modules are found as Python would find them from the file's folder and the folders above it
+(up to the repository's root, the folder with `.git`): `from data.loader import f` is
+`data/loader.py` or `data/loader/__init__.py` there, `from .loader import f` is beside the file.
+Each is parsed with CPython's parser (`ast`), never imported. A helper counts only when every
+fact is in its own body: the `DistributedSampler(...)` call without `shuffle=False`, the
+`DataLoader(..., sampler=...)` over it, and the `return` of that loader, alone or at a known
+place in a tuple; and only when its module never calls `set_epoch` (a loader wrapper that sets the
+epoch itself). Anything else, or a module that cannot be read, gives nothing: the rules stay
+as they were.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+MAX_LEVELS = 8
+MAX_BYTES = 512 * 1024
+MAX_MODULES = 16  # project modules read for one file
+
+# Words of a file that trains with a data-parallel wrapper or starts a process group itself.
+_TRAINS_DISTRIBUTED = ("DistributedDataParallel", "DDP(", "init_process_group", "fully_shard", "FullyShardedDataParallel", "horovod")
+_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
+_LOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+
+
+@dataclass(frozen=True)
+class LoaderHelper:
+    """A project function returning a loader over a shuffling DistributedSampler."""
+
+    name: str  # as the linted file calls it: `build_loader`, `data.build_loader`
+    position: int | None  # the loader's place in a returned tuple; None: returned alone
+    module: str  # the helper's file, relative to the linted file's folder
+
+    def key(self) -> str:
+        return f"{self.name}@{self.position}@{self.module}"
+
+
+def loader_helpers(file: str | os.PathLike[str], source: str | None) -> tuple[LoaderHelper, ...]:
+    """The loader helpers `source` (the text of `file`) imports from its project."""
+    if not source or "import" not in source or not any(word in source for word in _TRAINS_DISTRIBUTED):
+        return ()  # only a script that trains distributed is worth the reading of another module
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ()
+    folder = os.path.dirname(os.path.abspath(file))
+    found: list[LoaderHelper] = []
+    modules = 0
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            path = _module_file(folder, node.module or "", node.level)
+            if path is None:
+                continue
+            modules += 1
+            if modules > MAX_MODULES:
+                break
+            helpers = _helpers_of(path)
+            for alias in node.names:
+                if alias.name in helpers:
+                    found.append(LoaderHelper(alias.asname or alias.name, helpers[alias.name], os.path.relpath(path, folder)))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                path = _module_file(folder, alias.name, 0)
+                if path is None:
+                    continue
+                modules += 1
+                if modules > MAX_MODULES:
+                    break
+                local = alias.asname or alias.name
+                for name, position in _helpers_of(path).items():
+                    found.append(LoaderHelper(f"{local}.{name}", position, os.path.relpath(path, folder)))
+    return tuple(found)
+
+
+def forget() -> None:
+    _helpers_of.cache_clear()
+    _root_of.cache_clear()
+
+
+@lru_cache(maxsize=256)
+def _root_of(folder: str) -> tuple[str, ...]:
+    """The folders a module name is looked up from: the file's own and those above it, up to the
+    repository's root."""
+    found = [folder]
+    for _ in range(MAX_LEVELS):
+        if os.path.exists(os.path.join(folder, ".git")):
+            break
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+        found.append(folder)
+    return tuple(found)
+
+
+def _module_file(folder: str, module: str, level: int) -> str | None:
+    parts = module.split(".") if module else []
+    if level:
+        base = folder
+        for _ in range(level - 1):
+            base = os.path.dirname(base)
+        bases: tuple[str, ...] = (base,)
+    else:
+        if not parts or parts[0] in ("torch", "os", "sys", "numpy", "np"):
+            return None
+        bases = _root_of(folder)
+    for base in bases:
+        candidate = os.path.join(base, *parts)
+        for path in (candidate + ".py", os.path.join(candidate, "__init__.py")):
+            if parts and os.path.isfile(path):
+                return path
+    return None
+
+
+@lru_cache(maxsize=256)
+def _helpers_of(path: str) -> dict[str, int | None]:
+    """{function name: the loader's place in its returned tuple (None: alone)} for the module's
+    top-level functions that return a loader over a shuffling DistributedSampler they build."""
+    try:
+        if os.path.getsize(path) > MAX_BYTES:
+            return {}
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        if "DistributedSampler" not in text or "set_epoch" in text:
+            return {}
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return {}
+    imports = _imports(tree)
+    helpers: dict[str, int | None] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            position = _returned_loader(node, imports)
+            if position is not False:
+                helpers[node.name] = position  # type: ignore[assignment]
+    return helpers
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _qualname(node: ast.expr, imports: dict[str, str]) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in imports:
+        return None
+    return ".".join([imports[node.id], *reversed(parts)])
+
+
+def _shuffling_sampler(call: ast.expr, imports: dict[str, str]) -> bool:
+    if not isinstance(call, ast.Call) or _qualname(call.func, imports) not in _SAMPLERS:
+        return False
+    for keyword in call.keywords:
+        if keyword.arg == "shuffle":
+            return isinstance(keyword.value, ast.Constant) and keyword.value.value is True
+    return len(call.args) < 4  # DistributedSampler(dataset, num_replicas, rank, shuffle): True by default
+
+
+def _returned_loader(func: ast.FunctionDef | ast.AsyncFunctionDef, imports: dict[str, str]) -> int | None | bool:
+    """The loader's place in what `func` returns (None: alone), or False when it returns none."""
+    samplers: set[str] = set()
+    loaders: set[str] = set()
+    assigned: dict[str, int] = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            assigned[name] = assigned.get(name, 0) + 1
+            if _shuffling_sampler(node.value, imports):
+                samplers.add(name)
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if _shuffling_loader(node.value, imports, samplers):
+                loaders.add(node.targets[0].id)
+    # A name bound twice may hold something else on another path (`if distributed: ... else:`).
+    loaders = {name for name in loaders if assigned.get(name) == 1}
+    samplers_ok = all(assigned.get(name) == 1 for name in samplers)
+    if not samplers_ok:
+        return False
+    returns = [node for node in ast.walk(func) if isinstance(node, ast.Return) and node.value is not None]
+    if len(returns) != 1:
+        return False
+    value = returns[0].value
+    if _is_loader(value, imports, samplers, loaders):
+        return None
+    if isinstance(value, ast.Tuple):
+        places = [i for i, element in enumerate(value.elts) if _is_loader(element, imports, samplers, loaders)]
+        if len(places) == 1:
+            return places[0]
+    return False
+
+
+def _is_loader(node: ast.expr, imports: dict[str, str], samplers: set[str], loaders: set[str]) -> bool:
+    return (isinstance(node, ast.Name) and node.id in loaders) or _shuffling_loader(node, imports, samplers)
+
+
+def _shuffling_loader(node: ast.expr, imports: dict[str, str], samplers: set[str]) -> bool:
+    if not isinstance(node, ast.Call) or _qualname(node.func, imports) not in _LOADERS:
+        return False
+    for keyword in node.keywords:
+        if keyword.arg == "sampler":
+            value = keyword.value
+            return (isinstance(value, ast.Name) and value.id in samplers) or _shuffling_sampler(value, imports)
+    return False
