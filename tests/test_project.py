@@ -232,3 +232,13 @@ def test_the_cache_follows_the_helper_module(tmp_path):
     assert codes(project, "--select", "DD201") == ["DD201"]
     (project / "src" / "data" / "loader.py").write_text(HELPER.format(shuffle=", shuffle=False"))
     assert codes(project, "--select", "DD201") == []
+
+
+def test_a_sampler_made_only_in_the_distributed_run_counts(tmp_path):
+    """`DistributedSampler(ds) if num_gpus > 1 else None`: the distributed run shuffles."""
+    project = helper_project(tmp_path)
+    helper = project / "src" / "data" / "loader.py"
+    helper.write_text(helper.read_text().replace("sampler = DistributedSampler(train_set)", "sampler = DistributedSampler(train_set) if batch_size else None"))
+    train = project / "src" / "train.py"
+    train.write_text(train.read_text().replace("for x, y in train_loader:", "for x, y in tqdm(train_loader):").replace("import os", "import os\nfrom tqdm import tqdm"))
+    assert codes(project, "--select", "DD201") == ["DD201"]

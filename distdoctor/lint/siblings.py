@@ -28,8 +28,8 @@ MAX_LEVELS = 8
 MAX_BYTES = 512 * 1024
 MAX_MODULES = 16  # project modules read for one file
 
-# Words of a file that trains with a data-parallel wrapper or starts a process group itself.
-_TRAINS_DISTRIBUTED = ("DistributedDataParallel", "DDP(", "init_process_group", "fully_shard", "FullyShardedDataParallel", "horovod")
+# Words of a file that trains distributed (its own process group, a wrapper, a helper named so).
+_TRAINS_DISTRIBUTED = ("distributed", "Distributed", "DDP(", "fully_shard", "horovod")
 _SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 _LOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 
@@ -170,6 +170,11 @@ def _qualname(node: ast.expr, imports: dict[str, str]) -> str | None:
 
 
 def _shuffling_sampler(call: ast.expr, imports: dict[str, str]) -> bool:
+    if isinstance(call, ast.IfExp):
+        # `DistributedSampler(ds) if num_gpus > 1 else None`: the distributed run's sampler.
+        sides = (call.body, call.orelse)
+        none = [side for side in sides if isinstance(side, ast.Constant) and side.value is None]
+        return len(none) == 1 and any(_shuffling_sampler(side, imports) for side in sides)
     if not isinstance(call, ast.Call) or _qualname(call.func, imports) not in _SAMPLERS:
         return False
     for keyword in call.keywords:

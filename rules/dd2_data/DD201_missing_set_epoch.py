@@ -593,6 +593,9 @@ def _helper_loaders_without_set_epoch(ctx: LintContext) -> Iterator[Report]:
             )
 
 
+_ITERATION_WRAPPERS = frozenset({"tqdm", "tqdm.tqdm", "enumerate", "iter", "len", "zip"})
+
+
 def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression):
     """(the loader's name, the helper) when `expr` is a loader a project helper returned."""
     if isinstance(expr, cst.Call):
@@ -630,6 +633,8 @@ def _handed_away_in(ctx: LintContext, trace: Trace, loop: cst.CSTNode, name: str
         if not other.in_loop(loop):
             continue
         for call in syntax.own_calls(other.node):
+            if dotted(call.func) in _ITERATION_WRAPPERS:
+                continue  # `tqdm(loader)`, `enumerate(loader)`: iterates it, sets nothing
             if _hands_loader_away(ctx, call) and any(
                 isinstance(arg.value, (cst.Name, cst.Attribute)) and (dotted(arg.value) or "").split(".")[0] == name
                 for arg in call.args
