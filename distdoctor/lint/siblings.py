@@ -50,6 +50,8 @@ def loader_helpers(file: str | os.PathLike[str], source: str | None) -> tuple[Lo
     """The loader helpers `source` (the text of `file`) imports from its project."""
     if not source or "import" not in source or not any(word in source for word in _TRAINS_DISTRIBUTED):
         return ()  # only a script that trains distributed is worth the reading of another module
+    if "loader" not in source.lower():
+        return ()  # and only one that names a loader: the one fact read today is about loaders
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
