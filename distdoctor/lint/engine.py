@@ -98,9 +98,8 @@ def lint_source(source: str, path: str, rules: Sequence[Rule], *, project: Proje
     """Findings of `rules` in `source`, after `# noqa` suppression. Never raises: a file that
     cannot be parsed is a DD000 finding, a failure inside the engine or a rule a DD000 finding that
     says so; the other files of a run are not affected. `project`: what the file's project says
-    outside the file (`Config.project_for`: the PyTorch release it targets, the loaders its
-    project's helpers build), None for
-    nothing."""
+    outside the file (`Config.project_for`: the PyTorch release it targets, the loaders its own
+    helpers build), None for nothing."""
     try:
         with warnings.catch_warnings():
             # Evaluating the file's literals (libcst's `evaluated_value`) makes CPython warn about

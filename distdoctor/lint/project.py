@@ -1,4 +1,5 @@
-"""What a file's project says about itself outside Python: the PyTorch release it targets.
+"""What a file's project says outside the file: the PyTorch release it targets, and (through
+`distdoctor.lint.siblings`) the loaders its own helper modules build.
 
 Some findings depend on the PyTorch the project runs on, as ruff's upgrade rules depend on
 `requires-python`. DD004 is one: `python -m torch.distributed.launch` passes `--local_rank=N` up
@@ -23,9 +24,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from distdoctor.lint.siblings import LoaderHelper, loader_helpers
+from distdoctor.lint.siblings import LoaderHelper, loader_helpers, project_folders
 from distdoctor.lint.siblings import forget as forget_siblings
-from pathlib import Path
 
 # The folders looked at, upward from a file: a project rarely nests deeper than this.
 MAX_LEVELS = 8
@@ -104,17 +104,11 @@ def parse_version(text: str, source: str) -> TorchTarget | None:
 def torch_target(file: str | os.PathLike[str]) -> TorchTarget | None:
     """The release `file`'s project pins torch to, read from its dependency files; None when they
     do not decide (no mention, a floor only, or 2.x mentioned)."""
-    folder = os.path.dirname(os.path.abspath(file))
-    for _ in range(MAX_LEVELS):
+    # Up to the repository's root: what lies above is another project.
+    for folder in project_folders(os.path.dirname(os.path.abspath(file)))[:MAX_LEVELS]:
         found = _folder_target(folder)
         if found is not None:
             return found[0]
-        if os.path.isdir(os.path.join(folder, ".git")) or os.path.isfile(os.path.join(folder, ".git")):
-            return None  # the repository's root: what lies above is another project
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return None
-        folder = parent
     return None
 
 

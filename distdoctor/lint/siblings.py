@@ -20,7 +20,9 @@ as they were.
 from __future__ import annotations
 
 import ast
+import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -58,42 +60,40 @@ def loader_helpers(file: str | os.PathLike[str], source: str | None) -> tuple[Lo
         return ()
     folder = os.path.dirname(os.path.abspath(file))
     found: list[LoaderHelper] = []
-    modules = 0
+    for path, names, local in itertools.islice(_project_imports(tree, folder), MAX_MODULES):
+        helpers = _helpers_of(path)
+        relative = os.path.relpath(path, folder)
+        if names is None:  # `import data.loader as loaders`: its functions as `loaders.f`
+            found.extend(LoaderHelper(f"{local}.{name}", position, relative) for name, position in helpers.items())
+        else:  # `from data.loader import f as g`
+            found.extend(LoaderHelper(names[name], helpers[name], relative) for name in names if name in helpers)
+    return tuple(found)
+
+
+def _project_imports(tree: ast.Module, folder: str) -> Iterator[tuple[str, dict[str, str] | None, str]]:
+    """The module-level imports of the project's own modules, in order: (the module's file, the
+    names taken from it as {name: local name}, or None for a whole-module import, its local name)."""
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
             path = _module_file(folder, node.module or "", node.level)
-            if path is None:
-                continue
-            modules += 1
-            if modules > MAX_MODULES:
-                break
-            helpers = _helpers_of(path)
-            for alias in node.names:
-                if alias.name in helpers:
-                    found.append(LoaderHelper(alias.asname or alias.name, helpers[alias.name], os.path.relpath(path, folder)))
+            if path is not None:
+                yield path, {alias.name: alias.asname or alias.name for alias in node.names}, ""
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 path = _module_file(folder, alias.name, 0)
-                if path is None:
-                    continue
-                modules += 1
-                if modules > MAX_MODULES:
-                    break
-                local = alias.asname or alias.name
-                for name, position in _helpers_of(path).items():
-                    found.append(LoaderHelper(f"{local}.{name}", position, os.path.relpath(path, folder)))
-    return tuple(found)
+                if path is not None:
+                    yield path, None, alias.asname or alias.name
 
 
 def forget() -> None:
     _helpers_of.cache_clear()
-    _root_of.cache_clear()
+    project_folders.cache_clear()
 
 
 @lru_cache(maxsize=256)
-def _root_of(folder: str) -> tuple[str, ...]:
-    """The folders a module name is looked up from: the file's own and those above it, up to the
-    repository's root."""
+def project_folders(folder: str) -> tuple[str, ...]:
+    """`folder` and those above it, up to the repository's root (the folder holding `.git`), at
+    most MAX_LEVELS above it: where a module name is looked up, and where a pin is read."""
     found = [folder]
     for _ in range(MAX_LEVELS):
         if os.path.exists(os.path.join(folder, ".git")):
@@ -116,7 +116,7 @@ def _module_file(folder: str, module: str, level: int) -> str | None:
     else:
         if not parts or parts[0] in ("torch", "os", "sys", "numpy", "np"):
             return None
-        bases = _root_of(folder)
+        bases = project_folders(folder)
     for base in bases:
         candidate = os.path.join(base, *parts)
         for path in (candidate + ".py", os.path.join(candidate, "__init__.py")):

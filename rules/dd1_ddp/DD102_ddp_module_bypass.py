@@ -480,10 +480,7 @@ def _optimised_elsewhere(ctx: LintContext, names: set[str]) -> bool:
     """Whether the file builds optimizers and none of them is given the parameters of the
     wrapper or its module, under any of `names` (`Adam(generator.parameters())` while the
     bypassed `model` is a frozen CLIP)."""
-    built = [
-        call for call in ctx.nodes(cst.Call)
-        if (ctx.qualname(call.func) or "").startswith("torch.optim.") and ".lr_scheduler" not in (ctx.qualname(call.func) or "")
-    ]
+    built = [call for _, _, call in ctx.optimizer_calls()]
     if not built or not names:
         return False
     word = re.compile("|".join(rf"(?<![\w.]){re.escape(name)}(?!\w)" for name in sorted(names)))

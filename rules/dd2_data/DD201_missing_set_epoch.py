@@ -593,7 +593,10 @@ def _helper_loaders_without_set_epoch(ctx: LintContext) -> Iterator[Report]:
             )
 
 
-_ITERATION_WRAPPERS = frozenset({"tqdm", "tqdm.tqdm", "enumerate", "iter", "len", "zip"})
+# Calls a loop iterates its loader through: `for i, batch in enumerate(tqdm(loader))`.
+_ITERATES = frozenset({"enumerate", "tqdm", "tqdm.tqdm", "iter"})
+# Calls that iterate or measure a loader and set nothing on it.
+_ITERATION_WRAPPERS = _ITERATES | {"len", "zip"}
 
 
 def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression):
@@ -657,15 +660,14 @@ def _framework_in_use(ctx: LintContext, modules: tuple[str, ...]) -> bool:
         if node.value not in _FRAMEWORK_HANDLES and node.value not in local:
             continue
         if not isinstance(ctx.parent(node), (cst.ImportAlias, cst.AsName)):
-            return True  # used, or `trainer.fit(model, loader)` with a trainer made elsewhere
-    for node in ctx.nodes(cst.Attribute):  # `import pytorch_lightning` then `pytorch_lightning.Trainer()`
-        if isinstance(node.value, cst.Name) and node.value.value in local and not isinstance(ctx.parent(node), cst.ImportAlias):
+            # Used (`pytorch_lightning.Trainer()` too: its first name is a Name), or
+            # `trainer.fit(model, loader)` with a trainer made elsewhere.
             return True
     return False
 
 
 def _unwrap_iter(expr: cst.BaseExpression) -> cst.BaseExpression:
-    while isinstance(expr, cst.Call) and expr.args and dotted(expr.func) in ("enumerate", "tqdm", "tqdm.tqdm", "iter"):
+    while isinstance(expr, cst.Call) and expr.args and dotted(expr.func) in _ITERATES:
         expr = expr.args[0].value
     return expr
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import libcst as cst
 
@@ -225,7 +225,7 @@ class HorovodLrNotScaled(Rule):
             return
         wrapped = [trace.value(syntax.argument(call, 0, "optimizer"), step) for trace, step, call in wraps]
         known = [value for value in wrapped if value is not None and value.kind == kinds.OPTIMIZER]
-        for trace, step, call in _optimizer_creations(ctx):
+        for trace, step, call in ctx.optimizer_calls():
             if known and not any(value.node is call for value in known):
                 continue
             lr = syntax.argument(call, 1, "lr")
@@ -274,10 +274,3 @@ def _factor_uses_size(ctx: LintContext, trace: Trace, step: Step, expr: cst.Base
     return False
 
 
-def _optimizer_creations(ctx: LintContext) -> Iterator[tuple[Trace, Step, cst.Call]]:
-    for trace in ctx.traces:
-        for step, call in trace.calls():
-            qual = ctx.qualname(call.func) or ""
-            if qual.startswith("torch.optim.") and not qual.startswith("torch.optim.lr_scheduler"):
-                if qual.rsplit(".", 1)[-1][:1].isupper():
-                    yield trace, step, call

@@ -92,8 +92,8 @@ class LintContext:
         indexed (`index`) without libcst; it is dropped once read."""
         self.path = path
         self.source = source
-        # What the project says outside Python (`distdoctor.lint.project`): the PyTorch it
-        # targets, whether its launch scripts run one node.
+        # What the project says outside this file (`distdoctor.lint.project`): the PyTorch it
+        # targets, the loaders its own helpers build.
         self.project = project if project is not None else ProjectFacts()
         self._tree = tree
         self._parse = parse
@@ -359,6 +359,15 @@ class LintContext:
         for node in syntax.walk(self.module):
             index.setdefault(type(node), []).append(node)
         return index
+
+    def optimizer_calls(self) -> Iterator[tuple[Trace, Step, cst.Call]]:
+        """`torch.optim.X(...)` constructions on the code path (schedulers excluded)."""
+        for trace in self.traces:
+            for step, call in trace.calls():
+                qual = self.qualname(call.func) or ""
+                if qual.startswith("torch.optim.") and not qual.startswith("torch.optim.lr_scheduler"):
+                    if qual.rsplit(".", 1)[-1][:1].isupper():
+                        yield trace, step, call
 
     def dead_function(self, node: cst.CSTNode) -> bool:
         """Whether `node` lies in a module-level function this file never names again (never

@@ -291,12 +291,7 @@ class Sharding:
 
     def optimizers(self) -> Iterator[tuple[Trace, Step, cst.Call]]:
         """`torch.optim.X(...)` constructions on the code path (schedulers excluded)."""
-        for trace in self.ctx.traces:
-            for step, call in trace.calls():
-                qual = self.ctx.qualname(call.func) or ""
-                if qual.startswith("torch.optim.") and not qual.startswith("torch.optim.lr_scheduler"):
-                    if qual.rsplit(".", 1)[-1][:1].isupper():
-                        yield trace, step, call
+        return self.ctx.optimizer_calls()
 
 
 def line_to_change(ctx: Context, trace: Trace, step: Step, node: cst.CSTNode, other: Step) -> cst.CSTNode:
