@@ -529,11 +529,7 @@ _COMPARE = {
 def _count_at_most_one(step: Step, periodic: cst.BaseExpression) -> bool:
     """The accumulation count `k` of `(i + 1) % k == 0` is at most 1 where `step` runs: in the
     `else` of `if k > 1:` or under `if k == 1:`, where every iteration steps."""
-    divisors = {
-        names.dotted(node.right)
-        for node in syntax.walk(periodic)
-        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo)
-    } - {None}
+    divisors = {names.dotted(divisor) for divisor in _divisors(periodic)} - {None}
     for guard in step.guards:
         test = guard.test
         if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
@@ -705,12 +701,15 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
     )
 
 
+def _divisors(test: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The `k` of every `... % k` in a periodic test."""
+    return [node.right for node in syntax.walk(test) if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo)]
+
+
 def _every_iteration(trace: Trace, step: Step, guard) -> bool:
     """`(it + 1) % grad_step == 0` where `grad_step = 1` is written in the file: every iteration
     steps, nothing is accumulated."""
-    divisors = [
-        node.right for node in syntax.walk(guard.test) if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo)
-    ]
+    divisors = _divisors(guard.test)
     if not divisors:
         return False
     for divisor in divisors:

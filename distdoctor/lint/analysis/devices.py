@@ -61,15 +61,9 @@ def _may_index(ctx) -> bool:
     return ctx.may_call_method("to") or ctx.may_call_method("cuda")
 
 
-# FSDP (v1) names its device like init_process_group: `device_id=`. (sharding.FSDP_CLASS, not
-# imported: sharding imports this module.)
-_FSDP_CLASS = frozenset(
-    {
-        "torch.distributed.fsdp.FullyShardedDataParallel",
-        "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
-    }
+_INDEXING_CALLS = frozenset(
+    {SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT, TORCH_DEVICE, DDP, INIT_PROCESS_GROUP, *frameworks.FSDP_CLASS}
 )
-_INDEXING_CALLS = frozenset({SET_DEVICE, SET_DEVICE_INDEX, DEVICE_CONTEXT, TORCH_DEVICE, DDP, INIT_PROCESS_GROUP, *_FSDP_CLASS})
 
 
 def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[DeviceIndex]:
@@ -95,7 +89,7 @@ def _indices_of_call(ctx, trace: Trace, step: Step, call: cst.Call) -> Iterator[
         if output is not None and not _is_string(output):
             yield DeviceIndex(trace, step, call, output, "output_device")
         return
-    if qual == INIT_PROCESS_GROUP or qual in _FSDP_CLASS:  # FSDP(model, device_id=local_rank)
+    if qual == INIT_PROCESS_GROUP or qual in frameworks.FSDP_CLASS:  # FSDP(model, device_id=local_rank)
         device_id = syntax.keyword(call, "device_id")
         if device_id is not None:
             yield DeviceIndex(trace, step, call, device_id, "device_id")

@@ -18,6 +18,13 @@ DGL_DDP_LOADERS = tuple(
 )
 DDP_QUALS = (DDP,)
 FSDP_PREFIX = "torch.distributed.fsdp"
+# FSDP (v1), the wrapper class, under both its public and its module path.
+FSDP_CLASS = frozenset(
+    {
+        "torch.distributed.fsdp.FullyShardedDataParallel",
+        "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+    }
+)
 CONVERT_SYNCBN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm",)
 HOROVOD_INIT = "horovod.torch.init"
 INIT_PROCESS_GROUP = "torch.distributed.init_process_group"

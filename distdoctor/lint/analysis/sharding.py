@@ -61,12 +61,7 @@ FULLY_SHARD = frozenset(
         "torch.distributed._composable.fsdp.fully_shard.fully_shard",
     }
 )
-FSDP_CLASS = frozenset(
-    {
-        "torch.distributed.fsdp.FullyShardedDataParallel",
-        "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
-    }
-)
+FSDP_CLASS = frameworks.FSDP_CLASS
 PARALLELIZE = frozenset(
     {
         "torch.distributed.tensor.parallel.parallelize_module",
