@@ -10,7 +10,7 @@ import libcst as cst
 from distdoctor.lint.analysis import frameworks, guarded_calls, kinds, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import Step, Trace
-from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, says_eval
+from distdoctor.lint.analysis.loaders import bound_expression, loader_loops, name_words, says_eval
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.analysis.sharding import FSDP1, FSDP2, TP
 from distdoctor.lint.rule import Example, Report, Rule
@@ -640,11 +640,7 @@ def _synthetic(ctx: LintContext, trace: Trace, step: Step, dataset: cst.BaseExpr
         names = [str(value.attrs.get("class", ""))]
     else:
         return False
-    for name in names:
-        last = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name.rsplit(".", 1)[-1])
-        if SYNTHETIC_WORDS & {w for w in re.split(r"[^a-z0-9]+", last.lower()) if w}:
-            return True
-    return False
+    return any(SYNTHETIC_WORDS & name_words(name.rsplit(".", 1)[-1]) for name in names)
 
 
 def _sharded_or_iterable(

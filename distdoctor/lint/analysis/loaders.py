@@ -117,12 +117,16 @@ def bound_expression(value: Value) -> cst.BaseExpression | None:
     return None
 
 
+def name_words(name: str) -> set[str]:
+    """The lower-case words of a name, split at `_`, `.` and camelCase (`samplerVal`, `FakeData`)."""
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return {w for w in re.split(r"[^a-z0-9]+", name.lower()) if w}
+
+
 def says_eval(name: str) -> bool:
     """Whether a variable or function name says evaluation: `val_loader`, `self.testset`,
     `evaluate`, `loader_eval`."""
-    # camelCase parts too: `dataloaderVal`, `samplerVal`, `testLoader`.
-    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    words = {w for w in re.split(r"[^a-z0-9]+|_", name.lower()) if w}
+    words = name_words(name)  # camelCase parts too: `dataloaderVal`, `samplerVal`, `testLoader`
     words |= {w[: -len("loader")] for w in words if w.endswith("loader")}
     words |= {w[: -len("set")] for w in words if w.endswith("set")}
     words |= {w[: -len("sampler")] for w in words if w.endswith("sampler")}
