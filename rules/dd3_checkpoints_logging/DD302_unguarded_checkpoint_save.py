@@ -419,6 +419,43 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # The single-process branch of the flag that starts the process group, read through the
+            # object that holds it (`config.use_ddp` in main, `self.config.use_ddp` in a method after
+            # `self.config = config`): that save runs in one process.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            class Config:
+                use_ddp = False
+
+
+            class Trainer:
+                def __init__(self, config, model):
+                    self.config = config
+                    if self.config.use_ddp:
+                        self.model = DDP(model)
+                    else:
+                        self.model = model
+
+                def save(self, path):
+                    if self.config.use_ddp:
+                        if dist.get_rank() == 0:
+                            torch.save(self.model.module.state_dict(), path)
+                    else:
+                        torch.save(self.model.state_dict(), path)
+
+
+            if __name__ == "__main__":
+                config = Config()
+                if config.use_ddp:
+                    dist.init_process_group("gloo")
+                Trainer(config, torch.nn.Linear(2, 2)).save("model.pt")
+            """
+        ),
+        Example(
             # A Ray Tune trial saves into the folder Ray gives it (`with tune.checkpoint_dir(...) as
             # folder:`): one folder per trial, whatever the rest of the module does with DDP.
             """

@@ -255,7 +255,15 @@ class _Builder:
             name = flag[0].removesuffix(NOT_NONE)
             name, bracket, key = name.partition("[")  # `args["horovod"]`: the mapping `args`
             held = lookup(self.env, name, frame)
-            if held is None:
+            owner, attribute = self._flag_owner(name, frame) if held is None else (None, "")
+            if owner is not None:
+                # An attribute of a value held on the path (`config.is_use_DDP` in main,
+                # `self.config.is_use_DDP` in a method after `self.config = config`): one flag of
+                # one object, whatever name reaches it.
+                made = owner.node.value if isinstance(owner.node, cst.Assign) else None
+                maker = dotted(made.func) if isinstance(made, cst.Call) and not made.args else None
+                source = (maker or id(owner.node), attribute + flag[0][len(name):])
+            elif held is None:
                 # Bound nowhere on the path (`opt.multiprocessing_distributed`, a parsed flag the
                 # file never assigns): every test of it, in any function, reads the one value.
                 source = flag[0]
@@ -269,6 +277,20 @@ class _Builder:
                 else:
                     source = id(held.node) if name == flag[0] else (id(held.node), NOT_NONE)
         return Guard(test, negated, frame, results, source)
+
+    def _flag_owner(self, name: str, frame: Frame) -> tuple[Value | None, str]:
+        """For a dotted flag no binding holds (`self.config.is_use_DDP`), the value held by its
+        longest bound prefix that names a made object (`self.config`), and the rest of the name."""
+        head, rest = name, ""
+        while "." in head:
+            head, _, last = head.rpartition(".")
+            rest = "." + last + rest
+            if head == "self":
+                break
+            owner = lookup(self.env, head, frame)
+            if owner is not None:
+                return (owner, rest) if owner.node is not None else (None, "")
+        return None, ""
 
     def run_statement(self, stmt, frame, loops, guards, block) -> None:
         if isinstance(stmt, cst.SimpleStatementLine):
