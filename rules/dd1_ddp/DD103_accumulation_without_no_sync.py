@@ -243,6 +243,39 @@ class AccumulationWithoutNoSync(Rule):
     )
     valid = (
         Example(
+            # A branch for accumulation the file never configures: the count is the constant 1, so only
+            # the else branch (a step every iteration) runs.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def train(model: DDP, optimizer, loader):
+                accumulate = 1
+                for it, (x, y) in enumerate(loader):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    if accumulate > 1:
+                        if (it + 1) % accumulate == 0:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    else:
+                        optimizer.step()
+                        optimizer.zero_grad()
+
+
+            if __name__ == "__main__":
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                train(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(4, 8).cuda(), torch.randn(4, 1).cuda())])
+            """
+        ),
+        Example(
             # The accumulation count is the constant 1: every iteration steps.
             """
             import os
@@ -472,7 +505,7 @@ class AccumulationWithoutNoSync(Rule):
             return  # an optimizer step is `<optimizer>.step()` or `<scaler>.step(optimizer)`
         for trace in ctx.traces:
             for step, call in trace.calls():
-                if not _is_optimizer_step(ctx, trace, step, call) or not step.loops:
+                if not _is_optimizer_step(ctx, trace, step, call) or not step.loops or _never_runs(trace, step):
                     continue
                 for backward_step, backward in _accumulated_backwards(ctx, trace, step):
                     if not ctx.ddp_backward(backward_step, backward) or _ends_the_program(ctx, backward):
@@ -699,6 +732,24 @@ def _steps_inside(ctx: LintContext, trace: Trace, loop: cst.CSTNode) -> bool:
         if other.in_loop(loop)
         for call in syntax.own_calls(other.node)
     )
+
+
+def _never_runs(trace: Trace, step: Step) -> bool:
+    """A guard of `step` compares a count the file sets to a constant and can never hold:
+    `if grad_accumu > 1:` after `grad_accumu = 1`, a branch for an accumulation never configured."""
+    for guard in step.guards:
+        test = guard.test
+        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+            continue
+        compare = _COMPARE.get(type(test.comparisons[0].operator))
+        known, bound = syntax.const_value(test.comparisons[0].comparator)
+        if compare is None or not known or not isinstance(bound, int):
+            continue
+        value = trace.value(test.left, step)
+        held = value.attrs.get("value") if value is not None and value.kind == kinds.CONST else None
+        if isinstance(held, int) and not isinstance(held, bool) and compare(held, bound) == guard.negated:
+            return True
+    return False
 
 
 def _divisors(test: cst.BaseExpression) -> list[cst.BaseExpression]:
