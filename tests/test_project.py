@@ -242,3 +242,106 @@ def test_a_sampler_made_only_in_the_distributed_run_counts(tmp_path):
     train = project / "src" / "train.py"
     train.write_text(train.read_text().replace("for x, y in train_loader:", "for x, y in tqdm(train_loader):").replace("import os", "import os\nfrom tqdm import tqdm"))
     assert codes(project, "--select", "DD201") == ["DD201"]
+
+
+# --- saves made by the project's own helpers (distdoctor.lint.siblings) ---------------------------
+SAVER = textwrap.dedent(
+    """
+    import os
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+
+    def save_checkpoint(state, is_best, folder, filename="checkpoint.pth.tar"):
+        path = os.path.join(folder, filename)
+        {body}
+        if is_best:
+            shutil.copyfile(path, os.path.join(folder, "model_best.pth.tar"))
+    """
+)
+SAVING = textwrap.dedent(
+    """
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    {imports}
+
+
+    def worker(gpu, ngpus_per_node, args):
+        args.rank = args.rank * ngpus_per_node + gpu
+        dist.init_process_group("nccl", init_method=args.dist_url, world_size=args.world_size, rank=args.rank)
+        torch.cuda.set_device(gpu)
+        model = DDP(torch.nn.Linear(8, 2).cuda(gpu), device_ids=[gpu])
+        for epoch in range(args.epochs):
+            {guard}
+                {call}({{"epoch": epoch, "state_dict": model.state_dict()}}, False, {folder})
+
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--rank", type=int, default=0)
+        parser.add_argument("--world-size", type=int, default=1)
+        parser.add_argument("--dist-url", default="tcp://10.0.0.1:23456")
+        parser.add_argument("--epochs", type=int, default=10)
+        args = parser.parse_args()
+        ngpus = torch.cuda.device_count()
+        args.world_size = ngpus * args.world_size
+        mp.spawn(worker, nprocs=ngpus, args=(ngpus, args))
+    """
+)
+
+
+def saver_project(
+    tmp_path: Path,
+    *,
+    body="torch.save(state, path)",
+    imports="from utils.misc import save_checkpoint",
+    call="save_checkpoint",
+    guard="if args.rank % ngpus_per_node == 0:",
+    folder='"out"',
+) -> Path:
+    (tmp_path / ".git").mkdir(exist_ok=True)
+    (tmp_path / "src" / "utils").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "src" / "utils" / "__init__.py").write_text("")
+    (tmp_path / "src" / "utils" / "misc.py").write_text(SAVER.replace("{body}", body))
+    (tmp_path / "src" / "train.py").write_text(SAVING.format(imports=imports, guard=guard, call=call, folder=folder))
+    return tmp_path
+
+
+def test_a_save_by_a_project_helper_under_a_per_node_guard_is_dd302(tmp_path):
+    project = saver_project(tmp_path)
+    assert codes(project, "--select", "DD302") == ["DD302"]
+    result = CliRunner().invoke(main, ["lint", "--select", "DD302", str(project / "src" / "train.py")])
+    assert "save_checkpoint()" in result.output and "utils/misc.py" in result.output and "once per node" in result.output
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"imports": "from utils import misc", "call": "misc.save_checkpoint"},  # a module of the package
+        {"imports": "import utils.misc as misc", "call": "misc.save_checkpoint"},
+        {"guard": "if True:"},  # every rank saves
+    ],
+)
+def test_a_helper_save_is_found_however_it_is_imported(tmp_path, change):
+    assert codes(saver_project(tmp_path, **change), "--select", "DD302") == ["DD302"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"guard": "if args.rank == 0:"},  # the global rank decides
+        {"body": "if dist.get_rank() == 0:\n        torch.save(state, path)"},  # the helper decides who saves
+        {"body": "if folder:\n        torch.save(state, path)"},  # the save is conditional: not read
+        {"folder": 'f"out/rank{args.rank}"'},  # each rank its own folder
+        {"body": "print(state)"},  # no save at all
+    ],
+)
+def test_a_helper_save_stays_silent_when_guarded_or_not_a_plain_save(tmp_path, change):
+    assert codes(saver_project(tmp_path, **change), "--select", "DD302") == []

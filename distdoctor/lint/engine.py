@@ -118,6 +118,8 @@ def _lint_text(source: str, path: str, rules: Sequence[Rule], project: ProjectFa
         words = code_words(source)
         if project is not None and project.loader_helpers:
             words |= {"DistributedSampler"}  # made by a helper of the project the file calls
+        if project is not None and project.save_helpers:
+            words |= {"save"}  # a helper of the project the file calls saves
         rules = [rule for rule in rules if rule.applies(words)] if not CODE_NAMES.isdisjoint(words) else []
     else:
         rules = []

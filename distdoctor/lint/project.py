@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from distdoctor.lint.siblings import LoaderHelper, loader_helpers, project_folders
+from distdoctor.lint.siblings import LoaderHelper, SaveHelper, loader_helpers, project_folders, save_helpers
 from distdoctor.lint.siblings import forget as forget_siblings
 
 # The folders looked at, upward from a file: a project rarely nests deeper than this.
@@ -54,20 +54,25 @@ class ProjectFacts:
     # Functions of the project's own modules that return a loader over a shuffling
     # DistributedSampler (distdoctor.lint.siblings).
     loader_helpers: tuple[LoaderHelper, ...] = ()
+    # Functions of the project's own modules that hand their arguments to torch.save.
+    save_helpers: tuple[SaveHelper, ...] = ()
 
     def key(self) -> str:
         """What the lint cache keys on."""
         torch = self.torch.key() if self.torch else ""
-        return "|".join([torch, *(helper.key() for helper in self.loader_helpers)])
+        return "|".join([torch, *(helper.key() for helper in (*self.loader_helpers, *self.save_helpers))])
 
     def loader_helper(self, name: str) -> LoaderHelper | None:
         return next((helper for helper in self.loader_helpers if helper.name == name), None)
+
+    def save_helper(self, name: str) -> SaveHelper | None:
+        return next((helper for helper in self.save_helpers if helper.name == name), None)
 
 
 def project_facts(file: str | os.PathLike[str], torch: TorchTarget | None = None, source: str | None = None) -> ProjectFacts:
     """The facts of `file`'s project; `torch` (from the configuration) replaces the pins read;
     `source`, the file's text, names the project modules it imports."""
-    return ProjectFacts(torch if torch is not None else torch_target(file), loader_helpers(file, source))
+    return ProjectFacts(torch if torch is not None else torch_target(file), loader_helpers(file, source), save_helpers(file, source))
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from __future__ import annotations
 import ast
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 MAX_LEVELS = 8
 MAX_BYTES = 512 * 1024
@@ -48,26 +49,59 @@ class LoaderHelper:
         return f"{self.name}@{self.position}@{self.module}"
 
 
+@dataclass(frozen=True)
+class SaveHelper:
+    """A project function that hands its own arguments to `torch.save` on whoever calls it, with
+    no rank of its own in sight (`def save_checkpoint(state, filename): torch.save(state,
+    filename)`): a call of it is a save, guarded or not by its caller."""
+
+    name: str  # as the linted file calls it
+    parameters: SavedParameters
+    module: str  # the helper's file, relative to the linted file's folder
+
+    def key(self) -> str:
+        return f"save:{self.name}@{self.module}"
+
+
+@dataclass(frozen=True)
+class SavedParameters:
+    """The parameters (position, name) the saved object and the path are built from."""
+
+    obj: tuple[tuple[int | None, str], ...]
+    path: tuple[tuple[int | None, str], ...]
+
+
 def loader_helpers(file: str | os.PathLike[str], source: str | None) -> tuple[LoaderHelper, ...]:
     """The loader helpers `source` (the text of `file`) imports from its project."""
-    if not source or "import" not in source or not any(word in source for word in _TRAINS_DISTRIBUTED):
-        return ()  # only a script that trains distributed is worth the reading of another module
-    if "loader" not in source.lower():
-        return ()  # and only one that names a loader: the one fact read today is about loaders
+    if source is None or "loader" not in source.lower():
+        return ()  # only a file that names a loader gets one from a helper
+    return tuple(_imported(file, source, _helpers_of, LoaderHelper))
+
+
+def save_helpers(file: str | os.PathLike[str], source: str | None) -> tuple[SaveHelper, ...]:
+    """The save helpers `source` (the text of `file`) imports from its project."""
+    if source is None or "save" not in source.lower():
+        return ()  # only a file that names a save calls a helper for one
+    return tuple(_imported(file, source, _save_helpers_of, SaveHelper))
+
+
+def _imported(file, source: str, facts_of: Callable[[str], dict[str, Any]], make: Callable[..., Any]) -> Iterator[Any]:
+    """`make(name as the file calls it, fact, module relative to the file's folder)` for every
+    function `facts_of(module file)` knows among those `source` imports from its project."""
+    if "import" not in source or not any(word in source for word in _TRAINS_DISTRIBUTED):
+        return  # only a script that trains distributed is worth the reading of another module
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return ()
+        return
     folder = os.path.dirname(os.path.abspath(file))
-    found: list[LoaderHelper] = []
     for path, names, local in itertools.islice(_project_imports(tree, folder), MAX_MODULES):
-        helpers = _helpers_of(path)
+        helpers = facts_of(path)
         relative = os.path.relpath(path, folder)
         if names is None:  # `import data.loader as loaders`: its functions as `loaders.f`
-            found.extend(LoaderHelper(f"{local}.{name}", position, relative) for name, position in helpers.items())
+            yield from (make(f"{local}.{name}", fact, relative) for name, fact in helpers.items())
         else:  # `from data.loader import f as g`
-            found.extend(LoaderHelper(names[name], helpers[name], relative) for name in names if name in helpers)
-    return tuple(found)
+            yield from (make(names[name], helpers[name], relative) for name in names if name in helpers)
 
 
 def _project_imports(tree: ast.Module, folder: str) -> Iterator[tuple[str, dict[str, str] | None, str]]:
@@ -76,8 +110,16 @@ def _project_imports(tree: ast.Module, folder: str) -> Iterator[tuple[str, dict[
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
             path = _module_file(folder, node.module or "", node.level)
-            if path is not None:
-                yield path, {alias.name: alias.asname or alias.name for alias in node.names}, ""
+            names: dict[str, str] = {}
+            for alias in node.names:
+                # `from utils import misc`: a module of the package, its functions as `misc.f`.
+                inner = _module_file(folder, f"{node.module}.{alias.name}" if node.module else alias.name, node.level)
+                if inner is not None and inner != path:
+                    yield inner, None, alias.asname or alias.name
+                else:
+                    names[alias.name] = alias.asname or alias.name
+            if path is not None and names:
+                yield path, names, ""
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 path = _module_file(folder, alias.name, 0)
@@ -87,6 +129,7 @@ def _project_imports(tree: ast.Module, folder: str) -> Iterator[tuple[str, dict[
 
 def forget() -> None:
     _helpers_of.cache_clear()
+    _save_helpers_of.cache_clear()
     project_folders.cache_clear()
 
 
@@ -230,3 +273,86 @@ def _shuffling_loader(node: ast.expr, imports: dict[str, str], samplers: set[str
             value = keyword.value
             return (isinstance(value, ast.Name) and value.id in samplers) or _shuffling_sampler(value, imports)
     return False
+
+
+# Words of a helper that may decide for itself who saves (a rank test, a barrier, a gather):
+# such a helper is not read as an unguarded save.
+_COORDINATES = ("rank", "master", "main_process", "is_main", "primary", "hvd", "horovod", "distributed", "dist.", "world", "barrier", "gather", "accelerator", "local")
+
+
+@lru_cache(maxsize=256)
+def _save_helpers_of(path: str) -> dict[str, SavedParameters]:
+    """{function name: the parameters it saves} for the module's top-level functions that call
+    `torch.save` with their own parameters, in their body's own statements (not under an `if`, a
+    loop, or after an early `return`), and say nothing of ranks."""
+    try:
+        if os.path.getsize(path) > MAX_BYTES:
+            return {}
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        if "save" not in text:
+            return {}
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return {}
+    imports = _imports(tree)
+    helpers: dict[str, SavedParameters] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            saved = _saved_parameters(node, imports, text)
+            if saved is not None:
+                helpers[node.name] = saved
+    return helpers
+
+
+def _saved_parameters(func: ast.FunctionDef | ast.AsyncFunctionDef, imports: dict[str, str], text: str) -> SavedParameters | None:
+    source = (ast.get_source_segment(text, func) or "").lower()
+    if not source or any(word in source for word in _COORDINATES):
+        return None
+    positional = [arg.arg for arg in (*func.args.posonlyargs, *func.args.args)]
+    places = {name: (index, name) for index, name in enumerate(positional)}
+    places.update({arg.arg: (None, arg.arg) for arg in func.args.kwonlyargs})
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    for call in _own_statement_calls(func.body):
+        if _qualname(call.func, imports) != "torch.save":
+            continue
+        obj = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "obj"), None)
+        where = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "f"), None)
+        if obj is None or where is None:
+            return None
+        obj_params = tuple(dict.fromkeys(places[name] for name in _names_used(obj, assigned) if name in places))
+        path_params = tuple(dict.fromkeys(places[name] for name in _names_used(where, assigned) if name in places))
+        if obj_params:
+            return SavedParameters(obj_params, path_params)
+        return None
+    return None
+
+
+def _names_used(expr: ast.expr, assigned: dict[str, list[ast.expr]], depth: int = 0) -> Iterator[str]:
+    """The names `expr` reads, and those its local names were built from (`path =
+    os.path.join(folder, name)`), a few assignments deep."""
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Name):
+            yield node.id
+            if depth < 3:
+                for value in assigned.get(node.id, ()):
+                    yield from _names_used(value, assigned, depth + 1)
+
+
+def _own_statement_calls(body: list[ast.stmt]) -> Iterator[ast.Call]:
+    """The calls made as statements of `body` itself (and of the `with` and `try` blocks in it),
+    up to the first statement that may leave early (an `if` holding a `return` or `raise`)."""
+    for statement in body:
+        if isinstance(statement, ast.If) and any(isinstance(n, (ast.Return, ast.Raise)) for n in ast.walk(statement)):
+            return
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
+            yield statement.value
+        elif isinstance(statement, (ast.With, ast.AsyncWith)):
+            yield from _own_statement_calls(statement.body)
+        elif isinstance(statement, ast.Try):
+            yield from _own_statement_calls(statement.body)

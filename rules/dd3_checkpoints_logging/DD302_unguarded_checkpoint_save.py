@@ -12,6 +12,7 @@ from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.trace import NOT_NONE, Guard, Step, Trace, flag_test
 from distdoctor.lint.analysis.names import dotted
 from distdoctor.lint.rule import Example, Report, Rule
+from distdoctor.lint.siblings import SaveHelper
 
 SAVE = "torch.save"
 STATE_KINDS = (kinds.DDP, kinds.MODULE, kinds.OPTIMIZER, kinds.HVD_OPTIMIZER, kinds.PARAMS, kinds.SCALER)
@@ -1287,13 +1288,12 @@ class UnguardedCheckpointSave(Rule):
     def check(self, ctx: LintContext) -> Iterable[Report]:
         if not ctx.runs_multi_process or devices.one_process_per_host(ctx):
             return  # SageMaker's `hosts.index(current_host)`, Kubeflow's pods: one process per host, each on its own disk
-        for trace, step, call in ctx.calls(SAVE):
+        for trace, step, call, objects, paths, helper in _saves(ctx):
             if not ctx.is_entry(trace):
                 continue
-            obj = syntax.argument(call, 0, "obj")
-            if obj is None or not is_training_state(ctx, trace, step, obj):
+            if not any(obj is not None and is_training_state(ctx, trace, step, obj) for obj in objects):
                 continue
-            if per_rank_path(trace, step, syntax.argument(call, 1, "f"), ctx):
+            if any(per_rank_path(trace, step, path, ctx) for path in paths):
                 continue
             if _in_ray_trial_folder(ctx, call):
                 continue
@@ -1318,23 +1318,50 @@ class UnguardedCheckpointSave(Rule):
             zero_guards = [guard for guard in guards if guard.zero]
             if zero_guards and not all(guard.local and not _tests_spawn_index(trace, step, guard.guard.test) for guard in zero_guards):
                 continue
-            if zero_guards and _snapshot_read_back_on_every_rank(ctx, syntax.argument(call, 1, "f")):
+            if zero_guards and _snapshot_read_back_on_every_rank(ctx, paths[0] if len(paths) == 1 else None):
                 continue
             if zero_guards and locality.one_node_job(ctx):
                 continue  # MASTER_ADDR pinned to this machine, or a rendezvous at 127.0.0.1: local rank 0 is rank 0
+            through = f" (`{helper.name}()` in {helper.module} calls torch.save)" if helper is not None else ""
             if zero_guards:
                 line = ctx.position(zero_guards[-1].guard.test).start.line
                 message = (
-                    f"this checkpoint is guarded by a local-rank test (line {line}), which is true once per "
-                    f"node: on several nodes each writes the same file. Test the global rank instead "
+                    f"this checkpoint{through} is guarded by a local-rank test (line {line}), which is true once "
+                    f"per node: on several nodes each writes the same file. Test the global rank instead "
                     f"(`dist.get_rank() == 0`)."
                 )
             else:
                 message = (
-                    "every rank saves the same checkpoint to the same path: wasted I/O and racing writers "
-                    "that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
+                    f"every rank saves the same checkpoint{through} to the same path: wasted I/O and racing "
+                    f"writers that can corrupt the file. Save on rank 0 only: `if dist.get_rank() == 0:` around it."
                 )
             yield Report(call, message)
+
+
+Save = tuple[Trace, Step, cst.Call, tuple[cst.BaseExpression | None, ...], tuple[cst.BaseExpression | None, ...], SaveHelper | None]
+
+
+_NO_PLACE = 1 << 30  # a keyword-only parameter: given by its keyword alone
+
+
+def _saves(ctx: LintContext) -> Iterable[Save]:
+    """`torch.save(obj, f)` calls, and calls of the project's save helpers (a function of another
+    module that hands its own arguments to torch.save, see distdoctor.lint.siblings): with the
+    expressions the saved object and the path are made of at the call."""
+    for trace, step, call in ctx.calls(SAVE):
+        yield trace, step, call, (syntax.argument(call, 0, "obj"),), (syntax.argument(call, 1, "f"),), None
+    helpers = ctx.project.save_helpers
+    if not helpers or not ctx.may_call_named({helper.name.rsplit(".", 1)[-1] for helper in helpers}):
+        return
+    for trace in ctx.traces:
+        for step, call in trace.calls():
+            name = dotted(call.func)
+            helper = ctx.project.save_helper(name) if name is not None else None
+            if helper is None:
+                continue
+            objects = tuple(syntax.argument(call, _NO_PLACE if index is None else index, keyword) for index, keyword in helper.parameters.obj)
+            paths = tuple(syntax.argument(call, _NO_PLACE if index is None else index, keyword) for index, keyword in helper.parameters.path)
+            yield trace, step, call, objects, paths, helper
 
 
 def _in_ray_trial_folder(ctx: LintContext, call: cst.Call) -> bool:
