@@ -110,8 +110,14 @@ class UnguardedCheckpointSave(Rule):
     writing its own host's model folder, and scripts of the Kubeflow PyTorchJob shape (a backend
     the user picks, `backend=args.backend`, and no device selected per process: one process per
     pod, each writing into its own container). Jobs that can only run on one machine
-    (MASTER_ADDR pinned to it, a rendezvous at `tcp://127.0.0.1`) make a local-rank guard a
-    global one. A save inside `with tune.checkpoint_dir(...) as folder:` writes the folder Ray gives
+    (MASTER_ADDR pinned to it, a rendezvous at `tcp://127.0.0.1`, a process group the size of
+    one node's GPUs, `world_size=torch.cuda.device_count()`, or a group of one node's ranks,
+    `new_group(list(range(torch.cuda.device_count())))`) make a local-rank guard a global one.
+
+    A save made by a helper of the project's own modules counts as a save at its call
+    (`utils.save_checkpoint(state, is_best)`, whose body hands its parameters to `torch.save`):
+    the module is read, never imported, and only a helper that saves in its body's own statements
+    and tests no rank itself is taken as one. A save inside `with tune.checkpoint_dir(...) as folder:` writes the folder Ray gives
     each trial, and a save in the single-process branch of a flag read from a configuration
     mapping (`if cfg["horovod"]: ... else: torch.save(...)`, the flag that starts Horovod) runs in
     one process.
@@ -419,6 +425,34 @@ class UnguardedCheckpointSave(Rule):
         ),
     )
     valid = (
+        Example(
+            # A job of one node by construction: its process group is one node's GPUs
+            # (`world_size=torch.cuda.device_count()`, or a group made of
+            # `range(torch.cuda.device_count())` for its collectives), so local rank 0 is rank 0.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def main(epochs):
+                gpus = torch.cuda.device_count()
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl", init_method="env://")
+                group = dist.new_group(list(range(gpus)))
+                model = DDP(torch.nn.Linear(8, 2).cuda(), device_ids=[local_rank], process_group=group)
+                for epoch in range(epochs):
+                    if local_rank == 0:
+                        torch.save(model.module.state_dict(), f"epoch{epoch}.pt")
+
+
+            if __name__ == "__main__":
+                main(10)
+            """
+        ),
         Example(
             # The single-process branch of the flag that starts the process group, read through the
             # object that holds it (`config.use_ddp` in main, `self.config.use_ddp` in a method after

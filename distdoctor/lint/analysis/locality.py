@@ -123,12 +123,30 @@ def on_this_machine(ctx, url: cst.BaseExpression | None, depth: int = 0) -> bool
 
 
 def one_node_job(ctx) -> bool:
-    """The script can only run on one machine: it pins MASTER_ADDR to this machine, or every
-    process group it starts meets its peers at this machine's address."""
+    """The script can only run on one machine: it pins MASTER_ADDR to this machine, every process
+    group it starts meets its peers at this machine's address or counts one node's processes
+    (`world_size=torch.cuda.device_count()`), or it makes its group of one node's ranks
+    (`new_group(list(range(torch.cuda.device_count())))`)."""
     if pinned_to_localhost(ctx):
         return True
     calls = [call for call in ctx.nodes(cst.Call) if (names.dotted(call.func) or "").rsplit(".", 1)[-1] == "init_process_group"]
-    return bool(calls) and all(on_this_machine(ctx, syntax.argument(call, 1, "init_method")) for call in calls)
+    if calls and all(on_this_machine(ctx, syntax.argument(call, 1, "init_method")) for call in calls):
+        return True
+    starts = list(ctx.calls("torch.distributed.init_process_group"))
+    if starts and all(one_node_size(ctx, trace, step, syntax.argument(call, 2, "world_size"), 0) for trace, step, call in starts):
+        return True
+    return any(
+        _one_node_ranks(ctx, trace, step, syntax.argument(call, 0, "ranks")) for trace, step, call in ctx.calls("torch.distributed.new_group")
+    )
+
+
+def _one_node_ranks(ctx, trace: Trace, step: Step, ranks: cst.BaseExpression | None) -> bool:
+    """`range(torch.cuda.device_count())`, `list(range(ngpus_per_node))`: the ranks of one node."""
+    if isinstance(ranks, cst.Call) and names.dotted(ranks.func) == "list" and len(ranks.args) == 1:
+        ranks = ranks.args[0].value
+    if not (isinstance(ranks, cst.Call) and names.dotted(ranks.func) == "range" and len(ranks.args) == 1):
+        return False
+    return one_node_size(ctx, trace, step, ranks.args[0].value, 0)
 
 
 def local_rank_source(ctx, trace: Trace, step: Step, value: Value | None) -> str | None:
