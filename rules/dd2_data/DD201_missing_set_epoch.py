@@ -287,6 +287,35 @@ class MissingSetEpoch(Rule):
     )
     valid = (
         Example(
+            # set_epoch in a callback the training framework calls when an epoch ends (decorated, or
+            # handed over in a list of callbacks): no code path of the file reaches it, the framework
+            # does.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+            from trainer_lib import Trainer, on_epoch_end
+
+
+            def main(dataset, stages):
+                dist.init_process_group("nccl")
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+                trainer = Trainer(torch.nn.Linear(8, 1).cuda())
+                for epochs in stages:
+                    sampler = DistributedSampler(dataset)
+                    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+
+                    @on_epoch_end
+                    def reshuffle(state):
+                        sampler.set_epoch(state.epoch + 1)
+
+                    trainer.fit(loader, num_epochs=epochs, callbacks=[reshuffle])
+            """
+        ),
+        Example(
             # The epoch counter the loop itself advances.
             """
             import torch
@@ -491,6 +520,8 @@ class MissingSetEpoch(Rule):
         set_epochs = _set_epoch_calls(ctx)
         if any(receiver is None or receiver.kind not in (kinds.SAMPLER, kinds.LOADER) for receiver, _, _ in set_epochs):
             return  # some set_epoch reaches a sampler we cannot identify: stay silent
+        if _set_epoch_in_a_callback(ctx, {id(call) for _, call, _ in set_epochs}):
+            return  # a framework calls it when an epoch ends: which sampler it reaches is not seen here
         reached = self._samplers_handed_away(ctx) + [_sampler_of(r) for r, _, once in set_epochs if not once]
         fixed = [(_sampler_of(r), call) for r, call, once in set_epochs if once]
         reported: set[int] = set()
@@ -679,6 +710,26 @@ def _set_epoch_calls(ctx: LintContext) -> list[tuple[Value | None, cst.Call, boo
         (trace.value(call.func.value, step), call, _fixed_epoch(ctx, step, call))  # type: ignore[union-attr]
         for trace, step, call in _sampler_set_epochs(ctx)
     ]
+
+
+def _set_epoch_in_a_callback(ctx: LintContext, seen: set[int]) -> bool:
+    """A `set_epoch` call no code path of the file reaches, in a function handed to a framework:
+    decorated (`@on_epoch_complete def schedule_sampler(state): sampler.set_epoch(...)`) or named
+    again in the file (`callbacks += [schedule_sampler]`)."""
+    if not ctx.may_call_method("set_epoch"):
+        return False
+    for call in ctx.nodes(cst.Call):
+        if id(call) in seen or not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "set_epoch"):
+            continue
+        receiver = call.func.value
+        if isinstance(receiver, cst.Attribute) and receiver.attr.value in _DATASET_ATTRIBUTES:
+            continue
+        func = ctx.enclosing(call, cst.FunctionDef)
+        if func is None:
+            continue
+        if func.decorators or sum(1 for name in ctx.nodes(cst.Name) if name.value == func.name.value) > 1:
+            return True
+    return False
 
 
 def _sampler_of(receiver: Value) -> Value:

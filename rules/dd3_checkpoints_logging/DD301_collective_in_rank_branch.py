@@ -302,6 +302,42 @@ class CollectiveInRankBranch(Rule):
     )
     valid = (
         Example(
+            # A `return` of a helper defined inside the loop's rank-0 block leaves the helper, not the
+            # loop.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.tensorboard import SummaryWriter
+
+
+            def train(model: DDP, loader, optimizer, writer):
+                for step, (x, y) in enumerate(loader):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    if dist.get_rank() == 0 and step % 100 == 0:
+
+                        def to_image(tensor):
+                            image = tensor[0].detach().cpu()
+                            return image.clamp(0, 1)
+
+                        writer.add_image("input", to_image(x), step)
+
+
+            if __name__ == "__main__":
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                data = [(torch.randn(4, 8).cuda(), torch.randn(4, 1).cuda())]
+                train(model, data, torch.optim.SGD(model.parameters(), lr=0.1), SummaryWriter())
+            """
+        ),
+        Example(
             # A check of a setting, not of a computed value (`math.isinf(norm_type)` picks the norm),
             # with the same collective in both branches: every rank joins one of them.
             """

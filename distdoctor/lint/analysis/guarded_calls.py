@@ -320,8 +320,10 @@ def rank_only_loop_exits(ctx: LintContext, trace: Trace) -> Iterable[RankExit]:
         if not isinstance(step.node, (cst.Break, cst.Return)) or not step.loops:
             continue
         loop = step.loops[-1]
-        if isinstance(step.node, cst.Return) and not ctx.within(step.node, loop):
-            continue  # a `return` of a helper called in the loop leaves the helper, not the loop
+        if isinstance(step.node, cst.Return):
+            own = ctx.enclosing(step.node, (cst.FunctionDef, cst.Lambda))
+            if not ctx.within(step.node, loop) or (own is not None and ctx.within(own, loop)):
+                continue  # a `return` of a helper called (or defined) in the loop leaves the helper, not the loop
         inside = [guard for guard in ctx.rank_guards(trace, step) if ctx.within(guard.guard.test, loop)]
         if not inside or single_process_only(ctx, step):
             continue
