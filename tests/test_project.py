@@ -345,3 +345,61 @@ def test_a_helper_save_is_found_however_it_is_imported(tmp_path, change):
 )
 def test_a_helper_save_stays_silent_when_guarded_or_not_a_plain_save(tmp_path, change):
     assert codes(saver_project(tmp_path, **change), "--select", "DD302") == []
+
+
+def test_a_helper_with_a_single_process_branch_still_gives_the_distributed_loader(tmp_path):
+    """`sampler = None`, then `if not dist: loader = DataLoader(ds) else: loader = DataLoader(ds,
+    sampler=DistributedSampler(ds))`: the distributed run's loader shuffles."""
+    project = helper_project(tmp_path)
+    (project / "src" / "data" / "loader.py").write_text(
+        textwrap.dedent(
+            """
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+
+            def build_loaders(train_set, val_set, batch_size, dist=True):
+                sampler = None
+                if not dist:
+                    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
+                else:
+                    sampler = DistributedSampler(train_set)
+                    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
+                return train_loader, DataLoader(val_set, batch_size=batch_size)
+            """
+        )
+    )
+    assert codes(project, "--select", "DD201") == ["DD201"]
+
+
+def test_a_helper_loader_handed_to_the_training_function_is_followed(tmp_path):
+    project = helper_project(tmp_path)
+    (project / "src" / "train.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from data.loader import build_loaders
+
+
+            def fit(model, optimizer, loader, epochs):
+                for epoch in range(epochs):
+                    for x, y in loader:
+                        optimizer.zero_grad()
+                        torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                        optimizer.step()
+
+
+            if __name__ == "__main__":
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                train_loader, val_loader = build_loaders(range(64), range(8), 32)
+                fit(model, torch.optim.SGD(model.parameters(), lr=0.1), train_loader, 10)
+            """
+        )
+    )
+    assert codes(project, "--select", "DD201") == ["DD201"]

@@ -233,19 +233,25 @@ def _returned_loader(func: ast.FunctionDef | ast.AsyncFunctionDef, imports: dict
     samplers: set[str] = set()
     loaders: set[str] = set()
     assigned: dict[str, int] = {}
+    nones: dict[str, int] = {}
     for node in ast.walk(func):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             assigned[name] = assigned.get(name, 0) + 1
+            if isinstance(node.value, ast.Constant) and node.value.value is None:
+                nones[name] = nones.get(name, 0) + 1
             if _shuffling_sampler(node.value, imports):
                 samplers.add(name)
     for node in ast.walk(func):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             if _shuffling_loader(node.value, imports, samplers):
                 loaders.add(node.targets[0].id)
-    # A name bound twice may hold something else on another path (`if distributed: ... else:`).
-    loaders = {name for name in loaders if assigned.get(name) == 1}
-    samplers_ok = all(assigned.get(name) == 1 for name in samplers)
+    # A name bound twice may hold something else on another path, unless the other binding is the
+    # plain loader of the single-process branch (`if not dist: loader = DataLoader(ds) else:
+    # loader = DataLoader(ds, sampler=DistributedSampler(ds))`): the distributed run shuffles.
+    loaders = {name for name in loaders if assigned.get(name) == 1 or _other_branch_loader(func, name, imports)}
+    # `sampler = None` first, the DistributedSampler in the distributed branch: one sampler.
+    samplers_ok = all(assigned.get(name) == 1 + nones.get(name, 0) for name in samplers)
     if not samplers_ok:
         return False
     returns = [node for node in ast.walk(func) if isinstance(node, ast.Return) and node.value is not None]
@@ -258,6 +264,25 @@ def _returned_loader(func: ast.FunctionDef | ast.AsyncFunctionDef, imports: dict
         places = [i for i, element in enumerate(value.elts) if _is_loader(element, imports, samplers, loaders)]
         if len(places) == 1:
             return places[0]
+    return False
+
+
+def _other_branch_loader(func: ast.FunctionDef | ast.AsyncFunctionDef, name: str, imports: dict[str, str]) -> bool:
+    """`name` is bound twice, in the two branches of one `if`, each time to a DataLoader."""
+    bindings = [
+        node
+        for node in ast.walk(func)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name
+    ]
+    if len(bindings) != 2 or not all(isinstance(node.value, ast.Call) and _qualname(node.value.func, imports) in _LOADERS for node in bindings):
+        return False
+    for node in ast.walk(func):
+        if isinstance(node, ast.If):
+            body = {id(n) for statement in node.body for n in ast.walk(statement)}
+            other = {id(n) for statement in node.orelse for n in ast.walk(statement)}
+            first, second = id(bindings[0]), id(bindings[1])
+            if (first in body and second in other) or (second in body and first in other):
+                return True
     return False
 
 

@@ -84,6 +84,34 @@ class MissingSetEpoch(Rule):
 
     invalid = (
         Example(
+            # The loader drawn through a progress bar bound by `with` (`with tqdm(enumerate(loader)) as
+            # bar: for i, batch in bar:`).
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler
+            from tqdm import tqdm
+
+
+            def main(dataset, epochs):
+                dist.init_process_group("nccl")
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                loader = DataLoader(dataset, batch_size=32, sampler=DistributedSampler(dataset))
+                for epoch in range(epochs):  # expect: DD201
+                    with tqdm(enumerate(loader), total=len(loader)) as bar:
+                        for step, (x, y) in bar:
+                            optimizer.zero_grad()
+                            torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                            optimizer.step()
+            """
+        ),
+        Example(
             # Accelerate is imported but its Accelerator is never used (the line is commented out):
             # nothing gives this sampler its epoch.
             """
@@ -573,6 +601,13 @@ class MissingSetEpoch(Rule):
                 candidates: list[cst.BaseExpression] = []
                 if isinstance(step.node, cst.For):
                     candidates.append(_unwrap_iter(step.node.iter))
+                elif isinstance(step.node, cst.With):
+                    # `with tqdm(enumerate(loader)) as bar: for i, batch in bar:`
+                    candidates.extend(
+                        _unwrap_iter(item.item)
+                        for item in step.node.items
+                        if item.asname is not None and isinstance(item.item, cst.Call) and dotted(item.item.func) in _ITERATES
+                    )
                 for call in syntax.own_calls(step.node):
                     if _hands_loader_away(ctx, call):
                         candidates.extend(arg.value for arg in call.args)
@@ -630,8 +665,9 @@ _ITERATES = frozenset({"enumerate", "tqdm", "tqdm.tqdm", "iter"})
 _ITERATION_WRAPPERS = _ITERATES | {"len", "zip"}
 
 
-def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression):
-    """(the loader's name, the helper) when `expr` is a loader a project helper returned."""
+def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpression, depth: int = 0):
+    """(the loader's name, the helper) when `expr` is a loader a project helper returned, here or
+    in the caller that handed it over as an argument (`train(model, train_loader)`)."""
     if isinstance(expr, cst.Call):
         helper = ctx.project.loader_helper(dotted(expr.func) or "")
         return (ctx.code(expr), helper) if helper is not None and helper.position is None else None
@@ -658,7 +694,35 @@ def _helper_loader(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExp
         if helper is None or helper.position != position:
             return None
         return expr.value, helper
-    return None
+    return _helper_loader_argument(ctx, trace, step, expr, depth)
+
+
+_COMPOUND = (cst.If, cst.For, cst.While, cst.With, cst.Try, cst.FunctionDef, cst.ClassDef)
+
+
+def _helper_loader_argument(ctx: LintContext, trace: Trace, step: Step, name: cst.Name, depth: int):
+    """`_helper_loader` through a parameter: the argument the caller gave it, in the caller."""
+    frame = step.frame
+    if depth >= 3 or frame.function is None or frame.call is None or frame.parent is None:
+        return None
+    params = [param.name.value for param in frame.function.params.params]
+    if name.value not in params or any(param.name.value == name.value for param in frame.function.params.kwonly_params):
+        return None
+    offset = 1 if params and params[0] in ("self", "cls") and isinstance(frame.call.func, cst.Attribute) else 0
+    given = syntax.argument(frame.call, params.index(name.value) - offset, name.value)
+    # The statement that makes the call (the steps of the callee may come before it on the path).
+    caller = next(
+        (
+            other
+            for other in trace.steps
+            if other.frame is frame.parent and not isinstance(other.node, _COMPOUND) and ctx.within(frame.call, other.node)
+        ),
+        None,
+    )
+    if given is None or caller is None:
+        return None
+    found = _helper_loader(ctx, trace, caller, given, depth + 1)
+    return (name.value, found[1]) if found is not None else None
 
 
 def _handed_away_in(ctx: LintContext, trace: Trace, loop: cst.CSTNode, name: str) -> bool:
