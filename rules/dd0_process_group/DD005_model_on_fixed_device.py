@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from distdoctor.lint.analysis import frameworks, syntax
+from distdoctor.lint.analysis import frameworks, guarded_calls, syntax
 from distdoctor.lint.analysis.context import LintContext
 from distdoctor.lint.analysis.devices import SET_DEVICE, SET_DEVICE_INDEX, TORCH_DEVICE
 from distdoctor.lint.analysis.names import dotted
@@ -115,6 +115,30 @@ class ModelOnFixedDevice(Rule):
         ),
     )
     valid = (
+        Example(
+            # A literal GPU bound only where one process runs: the `else` of `if local_rank >= 0:` (no
+            # launcher set LOCAL_RANK), while the launched processes bind their own current device.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            local_rank = int(os.environ.get("LOCAL_RANK", -1))
+            if local_rank >= 0:
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl")
+                device = torch.device("cuda")
+            else:
+                device = torch.device("cuda:0")
+
+            model = torch.nn.Linear(8, 2)
+            model.to(device)
+            if local_rank >= 0:
+                model = DDP(model, device_ids=[local_rank])
+            """
+        ),
         Example(
             # The literal device belongs to the single-process branch of the same test as the wrap.
             """
@@ -305,7 +329,9 @@ def _fixed_index(ctx: LintContext, trace: Trace, step: Step, expr: cst.BaseExpre
         found = ctx.binding(trace, step, expr)
         # `device = rank % n` under `if is_ddp:`, `device = "cuda:0"` in its `else`: where the
         # later `if is_ddp:` moves the model, the literal was not what the name held.
-        if found is not None and not found[0].excludes(step):
+        # The same for `device = "cuda:0"` bound only where one process runs (the `else` of
+        # `if local_rank >= 0:`, where the distributed branch bound `torch.device("cuda")`).
+        if found is not None and not found[0].excludes(step) and not guarded_calls.single_process_only(ctx, found[0]):
             return _fixed_index(ctx, trace, found[0], found[1], depth + 1)
     return None
 

@@ -520,6 +520,12 @@ def process_count_comparison(node: cst.Comparison, ev: Evaluator) -> bool | None
             return False
         if isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)):
             return True
+    if value is not None and value.is_rank_like and number == 0:
+        # `local_rank >= 0`: a launched process (ranks start at 0); `< 0`: the -1 default.
+        if isinstance(op, cst.GreaterThanEqual):
+            return True
+        if isinstance(op, cst.LessThan):
+            return False
     return None
 
 
