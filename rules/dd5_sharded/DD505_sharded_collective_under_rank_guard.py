@@ -146,6 +146,30 @@ class ShardedCollectiveUnderRankGuard(Rule):
     )
     valid = (
         Example(
+            # The rank-0 save of the DDP arm: the model is FSDP only in the other branch of the same
+            # flag, where every rank gathers.
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def train(args, model, path):
+                if args.use_fsdp:
+                    model = FSDP(model)
+                else:
+                    model = DDP(model)
+                if args.use_fsdp:
+                    state = model.state_dict()
+                    if dist.get_rank() == 0:
+                        torch.save(state, path)
+                else:
+                    if dist.get_rank() == 0:
+                        torch.save(model.state_dict(), path)
+            """
+        ),
+        Example(
             """
             import torch
             import torch.distributed as dist

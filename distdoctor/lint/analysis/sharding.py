@@ -226,6 +226,8 @@ class Sharding:
         key = self.key(trace, step, expr)
         for event in self.events:
             if event.trace is trace and event.kind == FSDP1 and event.wrapper_key == key and event.step.index < step.index:
+                if event.step.excludes(step):
+                    continue  # wrapped in the other branch: `if args.use_fsdp: FSDP(m) else: DDP(m)`
                 return event
         return None
 
