@@ -426,6 +426,41 @@ class UnguardedCheckpointSave(Rule):
     )
     valid = (
         Example(
+            # The per-node snapshot that every rank resumes from, named through a variable (`filename`
+            # becomes `args.resume`, which every rank loads).
+            """
+            import argparse
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def main(args):
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                dist.init_process_group("nccl")
+                model = DDP(torch.nn.Linear(8, 2).cuda(), device_ids=[local_rank])
+                filename = f"{args.out}/snapshot.pth.tar"
+                if os.path.exists(filename):
+                    args.resume = filename
+                if args.resume:
+                    model.module.load_state_dict(torch.load(args.resume, map_location="cpu"))
+                for epoch in range(args.epochs):
+                    if local_rank == 0:
+                        torch.save(model.module.state_dict(), filename)
+
+
+            if __name__ == "__main__":
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--out", default="runs")
+                parser.add_argument("--resume", default="")
+                parser.add_argument("--epochs", type=int, default=10)
+                main(parser.parse_args())
+            """
+        ),
+        Example(
             # A job of one node by construction: its process group is one node's GPUs
             # (`world_size=torch.cuda.device_count()`, or a group made of
             # `range(torch.cuda.device_count())` for its collectives), so local rank 0 is rank 0.
@@ -1421,11 +1456,16 @@ def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression
     key = _path_key(ctx, path)
     if not key:
         return False
+    keys = {key} | _assigned_path_keys(ctx, path)
     for trace, step, call in ctx.calls(LOAD):
         loaded = syntax.argument(call, 0, "f")
         if loaded is None or ctx.rank_guards(trace, step, uncertain=True):
             continue
-        if _path_key(ctx, loaded) == key:
+        if _path_key(ctx, loaded) in keys:
+            return True
+        # `filename = f"{root}/ckpt.pth.tar"; if os.path.exists(filename): args.resume = filename`
+        # ... `torch.load(args.resume)`: the resume path is the snapshot's, through its names.
+        if not keys.isdisjoint(_assigned_path_keys(ctx, loaded)):
             return True
         # A load helper's parameter (`load_checkpoint(model, args.checkpoint_path)` ... `def
         # load_checkpoint(model, filepath): torch.load(filepath)`): the name it was given.
@@ -1433,6 +1473,21 @@ def _snapshot_read_back_on_every_rank(ctx: LintContext, path: cst.BaseExpression
         if value is not None and value.name and value.name.rsplit(".", 1)[-1] == key:
             return True
     return False
+
+
+def _assigned_path_keys(ctx: LintContext, path: cst.BaseExpression | None, depth: int = 0) -> set[str]:
+    """The keys of what the file assigns to the name `path` is, two assignments deep."""
+    name = dotted(path) if path is not None else None
+    if name is None or depth >= 2:
+        return set()
+    found: set[str] = set()
+    for node in ctx.nodes(cst.Assign):
+        if any(dotted(target.target) == name for target in node.targets):
+            key = _path_key(ctx, node.value)
+            if key:
+                found.add(key)
+            found |= _assigned_path_keys(ctx, node.value, depth + 1)
+    return found
 
 
 def _path_key(ctx: LintContext, path: cst.BaseExpression | None) -> str:
