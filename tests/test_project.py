@@ -64,6 +64,7 @@ def project(tmp_path: Path) -> Path:
         ("Dockerfile", "FROM pytorch/pytorch:1.9.0-cuda11.1-cudnn8-runtime\n"),
         ("requirements.txt", "torchaudio==0.10.1\n"),  # built for torch 1.10.1
         ("requirements.txt", "torch\ntorchvision==0.11.2\n"),  # built for torch 1.10
+        ("README.md", "Environment:\n    torch.__version__  = '1.10.0+cu113'\n"),  # the version a run printed
     ],
 )
 def test_a_torch_1_pin_silences_dd004(project, name, text):

@@ -155,6 +155,9 @@ def _mentions(path: str) -> list[tuple[str, int, int, str]]:
         cap = _CAP.match(text, m.end())
         if cap is not None:
             found.append((cap.group("op"), int(cap.group("major")), int(cap.group("minor") or 0), f"{name}: {m.group(0).strip()}{cap.group(0)}"))
+    for m in _VERSION_PRINT.finditer(text):
+        # `torch.__version__ = '1.10.0+cu113'`: the environment a README reports it ran in.
+        found.append(("==", int(m.group("major")), int(m.group("minor")), f"{name}: {m.group(0).strip()}"))
     for m in _COMPANION.finditer(text):
         # `torchvision==0.11.1` / `torchaudio==0.10.1` are built for one torch release: 1.x up to
         # torchvision 0.14 / torchaudio 0.13, 2.x after.
@@ -164,6 +167,7 @@ def _mentions(path: str) -> list[tuple[str, int, int, str]]:
     return found
 
 
+_VERSION_PRINT = re.compile(r"""torch\.__version__[ \t]*(?:==|=|:)[ \t]*['"]?v?(?P<major>[1-9])\.(?P<minor>\d+)""")
 _COMPANION = re.compile(
     r"(?i)(?<![\w.-])(?P<package>torchvision|torchaudio)[ \t]*(==|~=|=)[ \t]*v?(?P<major>\d+)\.(?P<minor>\d+)"
 )
