@@ -243,6 +243,29 @@ class AccumulationWithoutNoSync(Rule):
     )
     valid = (
         Example(
+            # The DDP wrap is in the other branch of the flag the training runs under (evaluation uses
+            # DDP, training FSDP): this backward is no DDP all-reduce.
+            """
+            import torch
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+            def run(cfg, model, optimizer, loader, rank):
+                if cfg.only_eval:
+                    parallel_model = DDP(model, device_ids=[rank])
+                else:
+                    parallel_model = FSDP(model, device_id=rank)
+                if not cfg.only_eval:
+                    for step, batch in enumerate(loader):
+                        loss = parallel_model(**batch).loss / cfg.accumulation_steps
+                        loss.backward()
+                        if (step + 1) % cfg.accumulation_steps == 0:
+                            optimizer.step()
+                            optimizer.zero_grad()
+            """
+        ),
+        Example(
             # A branch for accumulation the file never configures: the count is the constant 1, so only
             # the else branch (a step every iteration) runs.
             """
@@ -510,6 +533,8 @@ class AccumulationWithoutNoSync(Rule):
                 for backward_step, backward in _accumulated_backwards(ctx, trace, step):
                     if not ctx.ddp_backward(backward_step, backward) or _ends_the_program(ctx, backward):
                         continue
+                    if trace.only_in_other_branches(backward_step, lambda made: ctx.qualname(made.func) == frameworks.DDP):
+                        continue  # `if only_eval: DDP(model) else: FSDP(model)`: this backward is FSDP's
                     yield Report(
                         backward,
                         "gradient accumulation on a DDP model without no_sync(): every micro-batch's backward "
