@@ -112,6 +112,30 @@ class FP16WithoutShardedScaler(Rule):
     )
     valid = (
         Example(
+            # A float16 autocast under `torch.no_grad()` (a frozen encoder's forward) makes no gradients
+            # to underflow; the sharded model trains in bfloat16.
+            """
+            import torch
+            from torch.distributed.fsdp import fully_shard
+
+
+            def encode(vae, video):
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                    return vae.encode(video)
+
+
+            def train_step(model, vae, video, optimizer):
+                latents = encode(vae, video)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(latents).mean()
+                loss.backward()
+                optimizer.step()
+
+
+            model = fully_shard(torch.nn.Linear(8, 8))
+            """
+        ),
+        Example(
             # Accelerate builds the ShardedGradScaler itself for fp16 under its FSDP plugin, and steps
             # the prepared optimizer through it.
             """
@@ -216,7 +240,7 @@ def _fp16_sources(ctx: LintContext, shards: bool) -> Iterator[tuple[cst.Call, st
         if qual in POLICIES:
             if dtype_name(ctx, syntax.argument(node, 0, "param_dtype")) in FLOAT16 and not _unused_policy(ctx, node):
                 yield node, f"{qual.rsplit('.', 1)[-1]}(param_dtype=torch.float16)"
-        elif shards and qual in AUTOCAST:
+        elif shards and qual in AUTOCAST and not ctx.no_grad_around(node):  # no gradients to underflow
             dtype = syntax.keyword(node, "dtype")
             if dtype is None and qual == CUDA_AUTOCAST and syntax.keyword(node, "enabled") is None:
                 yield node, "torch.cuda.amp.autocast() (float16)"

@@ -412,6 +412,16 @@ class LintContext:
             node = parent
         return False
 
+    def no_grad_around(self, node: cst.CSTNode) -> bool:
+        """Whether the source around `node` turns autograd off: a `with torch.no_grad():` (or
+        inference mode) that holds it, or a function decorated so."""
+        for ancestor in self.ancestors(node):
+            if isinstance(ancestor, cst.With) and any(self._is_no_grad(item.item) for item in ancestor.items):
+                return True
+            if isinstance(ancestor, cst.FunctionDef) and any(self._is_no_grad(d.decorator) for d in ancestor.decorators):
+                return True
+        return False
+
     def _is_no_grad(self, expr: cst.BaseExpression) -> bool:
         target = expr.func if isinstance(expr, cst.Call) else expr
         qual = self.qualname(target)
