@@ -315,6 +315,30 @@ class MissingSetEpoch(Rule):
     )
     valid = (
         Example(
+            # A loader handed to `itertools.cycle`: cycle replays its first pass from memory, so the
+            # sampler is read once and set_epoch could change nothing.
+            """
+            import itertools
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+
+
+            def main(datasets, steps):
+                dist.init_process_group("nccl")
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+                streams = {}
+                for name, dataset in datasets.items():
+                    loader = DataLoader(dataset, batch_size=32, sampler=DistributedSampler(dataset))
+                    streams[name] = itertools.cycle(loader)
+                for step in range(steps):
+                    for name in datasets:
+                        batch = next(streams[name])
+            """
+        ),
+        Example(
             # set_epoch in a callback the training framework calls when an epoch ends (decorated, or
             # handed over in a list of callbacks): no code path of the file reaches it, the framework
             # does.
@@ -870,6 +894,8 @@ def _hands_loader_away(ctx: LintContext, call: cst.Call) -> bool:
     to this module's functions are inlined in the trace; torch APIs and builtins do not iterate."""
     func = call.func
     qual = ctx.qualname(func)
+    if qual == "itertools.cycle":
+        return False  # replays its first pass from memory: the sampler is read once, set_epoch or not
     if qual is not None:
         return not qual.startswith(("torch", "horovod", "builtins", "os", "math", "time"))
     if isinstance(func, cst.Name):
