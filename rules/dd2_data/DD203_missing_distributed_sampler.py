@@ -208,6 +208,41 @@ class MissingDistributedSampler(Rule):
     )
     valid = (
         Example(
+            # Each rank keeps its own part of every batch in a collate function made from its rank and
+            # the world size: the split happens there, not in a sampler.
+            """
+            import os
+
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader
+
+
+            def make_collate(rank, world_size):
+                def collate(batch):
+                    mine = batch[rank::world_size]
+                    return torch.stack([x for x, _ in mine]), torch.stack([y for _, y in mine])
+                return collate
+
+
+            def main(dataset, epochs):
+                dist.init_process_group("nccl")
+                rank, world_size = dist.get_rank(), dist.get_world_size()
+                local_rank = int(os.environ["LOCAL_RANK"])
+                torch.cuda.set_device(local_rank)
+                model = DDP(torch.nn.Linear(8, 1).cuda(), device_ids=[local_rank])
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                generator = torch.Generator().manual_seed(0)
+                loader = DataLoader(dataset, batch_size=32 * world_size, shuffle=True, generator=generator, collate_fn=make_collate(rank, world_size))
+                for epoch in range(epochs):
+                    for x, y in loader:
+                        optimizer.zero_grad()
+                        torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                        optimizer.step()
+            """
+        ),
+        Example(
             # The only FSDP wrap is in a helper the script never calls (its call is commented out): no
             # data-parallel wrapper trains here.
             """
@@ -513,6 +548,10 @@ class MissingDistributedSampler(Rule):
                 continue
             if _synthetic(ctx, trace, step, dataset):
                 continue  # `FakeDataset(n)`, `RandomDataset(...)`: no data to split, only a load to make
+            if isinstance(dataset, cst.Attribute) and isinstance(dataset.value, cst.Call):
+                continue  # `Interleaved(cfg).dataset`: what another module's object holds, maybe a stream
+            if _split_by_rank_elsewhere(trace, step, call):
+                continue  # `collate_fn=make_collate(rank, world_size)`: each rank keeps its part of a batch
             if guarded_calls.off_the_distributed_branch(ctx, trace, step):
                 continue  # `else: train_single_gpu()` beside `if ddp: train_ddp()`: one process
             if guarded_calls.single_process_only(ctx, step):
@@ -599,6 +638,21 @@ def _given(trace: Trace, step: Step, expr: cst.BaseExpression | None) -> bool:
         return False
     value = trace.value(expr, step)
     return not (value is not None and value.kind == kinds.CONST and value.attrs.get("value") is None)
+
+
+def _split_by_rank_elsewhere(trace, step, call: cst.Call) -> bool:
+    """The loader's collate function or worker setup is made from this process's rank (or the
+    world size): the split happens there, not in a sampler."""
+    for keyword in ("collate_fn", "worker_init_fn"):
+        given = syntax.keyword(call, keyword)
+        if given is None:
+            continue
+        for node in syntax.walk(given):
+            if isinstance(node, (cst.Name, cst.Attribute)):
+                value = trace.value(node, step)
+                if value is not None and (value.is_rank_like or value.kind == kinds.WORLD_SIZE):
+                    return True
+    return False
 
 
 def _iterable_classes(ctx: LintContext) -> set[str]:
