@@ -2,19 +2,23 @@
 
 A training script often gets its loader from a helper of its project (`from data import
 build_loader`), and the sampler that helper makes decides whether the script must call
-`set_epoch`. The file alone cannot say. This module finds, among the functions a file imports from
-its project, those that return a `DataLoader` over a shuffling `DistributedSampler` made in the
-helper itself ("loader helpers"), so that DD201 can read `loader = build_loader(...)` as what it is.
+`set_epoch`; it often saves through one (`utils.save_checkpoint(state, is_best)`), and the guard
+around that call decides who writes the file. The file alone cannot say. This module finds, among
+the functions a file imports from its project, those that return a `DataLoader` over a shuffling
+`DistributedSampler` made in the helper itself ("loader helpers", for DD201), and those that hand
+their own parameters to `torch.save` ("save helpers", for DD302).
 
 The modules are found as Python would find them from the file's folder and the folders above it
 (up to the repository's root, the folder with `.git`): `from data.loader import f` is
-`data/loader.py` or `data/loader/__init__.py` there, `from .loader import f` is beside the file.
-Each is parsed with CPython's parser (`ast`), never imported. A helper counts only when every
-fact is in its own body: the `DistributedSampler(...)` call without `shuffle=False`, the
-`DataLoader(..., sampler=...)` over it, and the `return` of that loader, alone or at a known
-place in a tuple; and only when its module never calls `set_epoch` (a loader wrapper that sets the
-epoch itself). Anything else, or a module that cannot be read, gives nothing: the rules stay
-as they were.
+`data/loader.py` or `data/loader/__init__.py` there, `from .loader import f` is beside the file,
+`from utils import misc` is `utils/misc.py`. Each is parsed with CPython's parser (`ast`), never
+imported. A loader helper counts only when every fact is in its own body: the
+`DistributedSampler(...)` call without `shuffle=False`, the `DataLoader(..., sampler=...)` over
+it (beside, at most, a plain loader in the other branch of one `if`), and the `return` of that
+loader, alone or at a known place in a tuple; and only when its module never calls `set_epoch`.
+A save helper counts only when `torch.save` is a statement of its body itself (not under an
+`if`, a loop, or after an early `return`) and it mentions no rank, barrier or gather. Anything
+else, or a module that cannot be read, gives nothing: the rules stay as they were.
 """
 
 from __future__ import annotations
